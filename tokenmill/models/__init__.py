@@ -1,0 +1,1 @@
+"""Model definitions and loaders (GGUF files, Hugging Face folders, hub ids)."""

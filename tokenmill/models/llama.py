@@ -1,0 +1,166 @@
+"""A Llama-family decoder (Llama, Qwen2, Mistral, SmolLM) written for a paged KV cache.
+
+Read top to bottom: the step's tokens arrive flattened (no batch padding in the linear
+layers); each layer writes its new K/V into cache slots, then attends per request group over
+K/V gathered from the cache by block table. Parameter names match Hugging Face's, so a
+safetensors checkpoint loads as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.models.config import ModelConfig, rope_inv_freq
+
+
+@dataclass
+class AttentionGroup:
+    """Requests attended together: queries padded to [G, Lq], context padded to [G, Lk]."""
+
+    query_index: torch.Tensor  # [G, Lq] rows of the flat token batch (padding: any row)
+    query_valid: torch.Tensor  # [G, Lq] bool
+    context_slots: torch.Tensor  # [G, Lk] KV-cache slots (padding: the zeroed null slot)
+    mask: torch.Tensor  # [G, 1, group*Lq, Lk] bool, already repeated for the query-head group
+    output_rows: torch.Tensor  # query_index[query_valid]
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] slot that receives each new token's K/V
+    groups: list[AttentionGroup]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos/sin: [T, D] (the half-split layout of Hugging Face Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.group = self.num_heads // self.num_kv_heads
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        for g in meta.groups:
+            out[g.output_rows] = self._attend(q, k_cache, v_cache, g)
+        return self.o_proj(out.view(tokens, -1))
+
+    def _attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttentionGroup
+    ) -> torch.Tensor:
+        n, lq = g.query_index.shape
+        kvh, grp, d = self.num_kv_heads, self.group, self.head_dim
+        # Fold the query heads that share a KV head into the query length: GQA without
+        # copying K/V once per query head.
+        qg = q[g.query_index].view(n, lq, kvh, grp, d).permute(0, 2, 3, 1, 4)
+        qg = qg.reshape(n, kvh, grp * lq, d)
+        kg = k_cache[g.context_slots].transpose(1, 2)  # [G, KVH, Lk, D]
+        vg = v_cache[g.context_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask)
+        o = o.view(n, kvh, grp, lq, d).permute(0, 3, 1, 2, 4).reshape(n, lq, kvh * grp, d)
+        return o[g.query_valid]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, kv_cache, meta):  # type: ignore[no-untyped-def]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_rope(self, max_positions: int) -> None:
+        """cos/sin tables for every position (built after weights load: they are not weights)."""
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(self.config))
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", angles.cos(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_rows: torch.Tensor,  # [S] rows whose next-token logits are wanted
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        cos = self.rope_cos[positions].to(x.dtype)
+        sin = self.rope_sin[positions].to(x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.lm_head(self.model.norm(x[logits_rows])).float()
