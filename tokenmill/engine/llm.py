@@ -24,7 +24,9 @@ class LLM:
     takes any `EngineConfig` field as a keyword.
     """
 
-    def __init__(self, model: str | None = None, *, weights: LoadedWeights | None = None, **config: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, weights: LoadedWeights | None = None, **config: Any
+    ) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **config), weights)
 
     @property

@@ -58,6 +58,7 @@ class ModelRunner:
             self.kv_caches.append((k, v))
         self.sampler = Sampler(eos_token_ids)
 
+    @torch.inference_mode()
     def execute(self, batch: list[ScheduledSequence]) -> list[int]:
         """Run one forward over the batch; returns a token for each item that samples, in order."""
         input_ids: list[int] = []
