@@ -1,0 +1,149 @@
+"""Model specs: parameter counts from the architecture, KV bytes per token, file readers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tokenmill.plan.errors import PlanError
+from tokenmill.plan.models import (
+    PRESET_CONFIGS,
+    find_embedded_gguf,
+    kv_elements_per_token,
+    load_model,
+    param_counts,
+    preset,
+)
+
+# Published totals (model cards / papers) in billions: (total, active). Scout's 109B includes
+# its ~1B vision encoder, which the text-only preset leaves out; hence 2% tolerance.
+PUBLISHED = {
+    "qwen2.5-7b-instruct": (7.61, 7.61),
+    "phi-4": (14.7, 14.7),
+    "qwen2.5-72b-instruct": (72.7, 72.7),
+    "llama-3.1-70b-instruct": (70.6, 70.6),
+    "mixtral-8x7b-instruct": (46.7, 12.9),
+    "llama-4-scout-17b-16e-instruct": (109, 17),
+    "deepseek-v3": (671, 37),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_param_counts_match_published_totals(name: str) -> None:
+    counts = param_counts(preset(name))
+    total, active = PUBLISHED[name]
+    assert counts.total / 1e9 == pytest.approx(total, rel=0.02)
+    assert counts.active / 1e9 == pytest.approx(active, rel=0.02)
+
+
+def test_llama_70b_param_count_by_hand() -> None:
+    # per layer: q,o 2*8192*8192 = 134,217,728; k,v 2*8192*1024 = 16,777,216;
+    # MLP 3*8192*28672 = 704,643,072; 2 norms 16,384 -> 855,654,400; x80 = 68,452,352,000
+    # + untied embedding and lm_head 2*128256*8192 = 2,101,346,304 + final norm 8,192
+    assert param_counts(preset("llama-3.1-70b")).total == 70_553_706_496
+
+
+def test_moe_active_counts_only_routed_top_k() -> None:
+    # Mixtral: 32 layers x 8 experts x 3*4096*14336 (176,160,768) = 45.1B routed; a token
+    # uses 2 of 8, so active = total - 6/8 of the routed experts
+    c = param_counts(preset("mixtral-8x7b"))
+    assert c.routed_experts == 32 * 8 * 176_160_768
+    assert c.total - c.active == 32 * 6 * 176_160_768
+
+
+@pytest.mark.parametrize(("name", "per_token"), [
+    ("llama-3.1-70b", 80 * 8 * 128 * 2 * 2),  # 327,680 B = 320 KiB
+    ("qwen2.5-72b", 80 * 8 * 128 * 2 * 2),  # the same as Llama-3.1-70B
+    ("qwen2.5-7b", 28 * 4 * 128 * 2 * 2),  # 57,344
+    ("phi-4", 40 * 10 * 128 * 2 * 2),  # 204,800
+    ("mixtral-8x7b", 32 * 8 * 128 * 2 * 2),  # 131,072
+    ("llama-4-scout", 48 * 8 * 128 * 2 * 2),  # 196,608
+    ("deepseek-v3", (512 + 64) * 61 * 2),  # MLA: latent + rope key, no x2 for K/V: 70,272
+])
+def test_kv_bytes_per_token_in_bf16(name: str, per_token: int) -> None:
+    assert kv_elements_per_token(preset(name)) * 2 == per_token
+
+
+def test_llama_70b_kv_is_320_kib_per_token() -> None:
+    assert kv_elements_per_token(preset("llama-3.1-70b")) * 2 == 320 * 1024
+
+
+def test_deepseek_preset_structure() -> None:
+    m = preset("DeepSeek V3")  # the study's spelling resolves too
+    assert m.moe is not None and m.mla is not None
+    assert (m.moe.num_experts, m.moe.top_k, m.moe.num_moe_layers) == (256, 8, 58)  # 3 dense
+    assert m.default_weight_dtype == "fp8"  # the checkpoint ships in fp8
+
+
+def test_every_study_spelling_resolves() -> None:
+    for label in ("Qwen2.5 7B", "Phi-4 14B", "Mixtral 8x7B", "Llama 4 Scout", "DeepSeek V3",
+                  "Llama 3.1 70B", "Qwen2.5 72B", "Qwen2.5 72B Instruct"):
+        assert preset(label).name in PRESET_CONFIGS
+
+
+def test_unknown_preset_names_the_field_and_lists_known() -> None:
+    with pytest.raises(PlanError, match=r"^model: unknown preset 'gpt-5'.*llama-3.1-70b"):
+        load_model("gpt-5")
+
+
+def test_missing_file_names_the_field() -> None:
+    with pytest.raises(PlanError, match=r"^model: file or folder .* does not exist"):
+        load_model("/nonexistent/config.json")
+
+
+def test_hf_config_file_and_folder(tmp_path: Path) -> None:
+    cfg = dict(PRESET_CONFIGS["llama-3.1-70b-instruct"], architectures=["LlamaForCausalLM"],
+               rope_theta=500000.0)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for ref in (str(tmp_path / "config.json"), str(tmp_path)):
+        assert param_counts(load_model(ref)).total == 70_553_706_496
+
+
+def test_hf_config_nested_text_config(tmp_path: Path) -> None:
+    # Llama 4 checkpoints nest the language model under text_config
+    cfg = {"model_type": "llama4", "text_config": PRESET_CONFIGS["llama-4-scout-17b-16e-instruct"]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = load_model(str(tmp_path))
+    assert m.moe is not None and m.moe.num_shared_experts == 1
+    assert param_counts(m).total == param_counts(preset("llama-4-scout")).total
+
+
+def test_hf_config_missing_key(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(PlanError, match=r"model: .*no 'num_hidden_layers'"):
+        load_model(str(tmp_path / "config.json"))
+
+
+def test_gguf_metadata(smollm2_gguf: Path) -> None:
+    m = load_model(str(smollm2_gguf))
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim) == (
+        30, 576, 9, 3, 64)
+    assert (m.ffn_size, m.vocab_size, m.tie_embeddings) == (1536, 49152, True)
+    # the architecture formula must give exactly the file's tensor element count (checked
+    # once against gguf.GGUFReader: 272 tensors, 134,515,008 elements, 96,576,768 bytes)
+    assert param_counts(m).total == 134_515_008
+    assert m.native_bytes_per_param is not None
+    stored = m.native_bytes_per_param * 134_515_008
+    assert stored == pytest.approx(96_576_768)
+    # Q4_1 blocks (20 B per 32 weights) + a Q8_0 embedding: between 0.625 and 1.0625 B/param
+    assert 0.625 < m.native_bytes_per_param < 1.0625
+    assert stored < smollm2_gguf.stat().st_size < stored * 1.05  # the rest is the header
+
+
+def test_default_model_is_the_embedded_gguf(smollm2_gguf: Path) -> None:
+    assert find_embedded_gguf() == smollm2_gguf
+    assert load_model(None).source == str(smollm2_gguf)
+
+
+def test_gguf_folder(smollm2_gguf: Path, tmp_path: Path) -> None:
+    (tmp_path / smollm2_gguf.name).symlink_to(smollm2_gguf)
+    assert load_model(str(tmp_path)).num_layers == 30
+
+
+def test_not_a_gguf(tmp_path: Path) -> None:
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"NOPE" + bytes(64))
+    with pytest.raises(PlanError, match=r"model: .*not a GGUF"):
+        load_model(str(bad))
