@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SCHEDULING_POLICIES = ("fcfs",)
+SCHEDULING_POLICIES = ("fcfs", "priority", "length")
 
 
 @dataclass
@@ -27,9 +27,13 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit block count; overrides both budgets (tests)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True  # split long prompts across steps under the budget
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = "fcfs"  # fcfs | priority (lower value first) | length (shortest first)
+    length_aging_s: float = 10.0  # "length": a request waiting this long goes ahead of younger ones
+    max_preemptions: int = 3  # after this many, a request is preempted only as a last resort
+    kv_watermark: float = 0.01  # admissions keep this fraction of blocks free for running requests
     seed: int = 0  # seed for requests that do not bring their own
     num_threads: int | None = None  # torch CPU threads; None = torch's default
+    pack_weights: bool = True  # CPU: pre-pack linear weights for oneDNN (much faster small GEMMs)
 
     def __post_init__(self) -> None:
         self._check_positive("max_num_seqs", "max_num_batched_tokens", "block_size")
@@ -37,6 +41,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {value}")
+        if not 0.0 <= self.kv_watermark < 1.0:
+            raise ValueError(f"EngineConfig.kv_watermark must be in [0, 1), got {self.kv_watermark}")
+        if self.length_aging_s < 0 or self.max_preemptions < 0:
+            raise ValueError("EngineConfig.length_aging_s and max_preemptions must be >= 0")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(
                 "EngineConfig.kv_cache_memory_fraction must be in (0, 1], "

@@ -19,8 +19,9 @@ from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.llama import CausalLM
+from tokenmill.models.llama import CausalLM, fuse_projections
 from tokenmill.models.loader import LoadedWeights, load_weights
+from tokenmill.models.packed import onednn_packing_available, pack_linears
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,10 @@ class LLMEngine:
         self.tokenizer = weights.tokenizer
         self.device = config.resolved_device()
         self.max_model_len = self._resolve_max_model_len(weights.config)
-        model = build_model(weights, self.max_model_len, self.device, config.torch_dtype)
+        model = build_model(
+            weights, self.max_model_len, self.device, config.torch_dtype,
+            pack_weights=config.pack_weights, batch_hint=config.max_num_batched_tokens,
+        )
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
@@ -242,11 +246,17 @@ class LLMEngine:
 
 
 def build_model(
-    weights: LoadedWeights, max_positions: int, device: torch.device, dtype: torch.dtype
+    weights: LoadedWeights,
+    max_positions: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    pack_weights: bool = True,
+    batch_hint: int = 2048,
 ) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(weights.config)
     state = {k: v.to(dtype) for k, v in weights.state_dict.items() if "rotary_emb" not in k}
+    state = fuse_projections(state)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if weights.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -257,7 +267,10 @@ def build_model(
             f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
     model.init_rope(max_positions)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if pack_weights and onednn_packing_available(device, dtype):
+        pack_linears(model, batch_hint)
+    return model
 
 
 def _free_memory(device: torch.device) -> int:

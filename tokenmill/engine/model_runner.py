@@ -45,17 +45,18 @@ class ModelRunner:
         self.block_size = block_size
         self.sliding_window = cfg.sliding_window
         self.query_group = cfg.num_attention_heads // cfg.num_key_value_heads
-        # One extra, zeroed slot: padding in gathers points there, so it must hold finite
-        # values. The rest is never read before it is written, so it can stay uninitialised.
-        self.null_slot = num_blocks * block_size
+        # Attention gathers whole blocks and masks what is not context, but a masked value
+        # still must be finite (0 * NaN is NaN). So every block is zeroed the first time it
+        # is used, instead of zero-filling (and committing) the whole cache up front. The
+        # extra last block is the null block that pads block tables.
+        self.null_block = num_blocks
+        self._initialised = torch.zeros(num_blocks + 1, dtype=torch.bool)
         dtype = model.model.embed_tokens.weight.dtype
-        shape = (self.null_slot + 1, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = []
         for _ in range(cfg.num_hidden_layers):
-            k, v = (torch.empty(shape, dtype=dtype, device=device) for _ in range(2))
-            k[self.null_slot].zero_()
-            v[self.null_slot].zero_()
-            self.kv_caches.append((k, v))
+            self.kv_caches.append((torch.empty(shape, dtype=dtype, device=device),
+                                   torch.empty(shape, dtype=dtype, device=device)))
         self.sampler = Sampler(eos_token_ids)
 
     @torch.inference_mode()
@@ -89,6 +90,16 @@ class ModelRunner:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device)
 
+    def _initialise(self, tables: torch.Tensor) -> torch.Tensor:
+        fresh = tables[~self._initialised[tables]].unique()
+        if fresh.numel():
+            index = fresh.to(self.device)
+            for k, v in self.kv_caches:
+                k.index_fill_(0, index, 0.0)
+                v.index_fill_(0, index, 0.0)
+            self._initialised[fresh] = True
+        return tables
+
     def _attention_group(self, spans: list[_Span]) -> AttentionGroup:
         bs = self.block_size
         rows = torch.tensor([s.row for s in spans])
@@ -100,13 +111,11 @@ class ModelRunner:
         query_index = torch.where(query_valid, rows[:, None] + q_off, 0)
 
         max_blocks = -(-lk // bs)
-        tables = torch.zeros(len(spans), max_blocks, dtype=torch.long)
+        tables = torch.full((len(spans), max_blocks), self.null_block, dtype=torch.long)
         for i, s in enumerate(spans):
             used = -(-s.context_len // bs)
             tables[i, :used] = torch.tensor(s.block_table[:used])
-        slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(spans), -1)[:, :lk]
-        k_pos = torch.arange(lk)
-        slots = torch.where(k_pos[None, :] < ctx[:, None], slots, self.null_slot)
+        k_pos = torch.arange(max_blocks * bs)
 
         q_pos = (ctx - num_new)[:, None] + q_off  # absolute position of each query row
         mask = k_pos[None, None, :] <= q_pos[:, :, None]  # causal; also bounds the context
@@ -117,6 +126,6 @@ class ModelRunner:
         mask = mask.repeat(1, self.query_group, 1)[:, None]  # rows ordered (head in group, query)
         to = self.device
         return AttentionGroup(
-            query_index.to(to), query_valid.to(to), slots.to(to), mask.to(to),
+            query_index.to(to), query_valid.to(to), self._initialise(tables).to(to), mask.to(to),
             query_index[query_valid].to(to),
         )

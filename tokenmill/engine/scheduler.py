@@ -1,16 +1,18 @@
 """Continuous batching: every step closes each request's gap between tokens known and tokens
 computed, under a per-step token budget and the KV-cache blocks that are free.
 
-Running requests go first (oldest first); when one cannot get a block, the newest running
-request is preempted: its blocks are freed and it goes back to the front of the queue, to be
-recomputed later (its finished blocks usually come straight back from the prefix cache).
-Waiting requests are admitted only in steps that did not have to preempt.
+Running requests go first: decodes, then unfinished prefills (chunked under the budget) in
+policy order. When one cannot get a block, the policy's worst running request (lowest priority,
+then newest) is preempted: its blocks are freed and it waits to be recomputed (its finished
+blocks usually come straight back from the prefix cache). Waiting requests are admitted in
+policy order, only in steps that did not preempt, and only while a free-block watermark stays
+untouched, so admissions do not immediately cause preemptions.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from tokenmill.engine.block_manager import BlockManager
@@ -43,23 +45,65 @@ class SchedulerStats:
     num_steps: int = 0
     prefill_tokens: int = 0  # tokens computed that were already known (prompt or recompute)
     decode_tokens: int = 0  # tokens computed that came from the previous sample
+    last_step_tokens: int = 0  # tokens scheduled in the most recent step
+    max_step_tokens: int = 0
+
+
+@dataclass
+class SchedulerMetrics:
+    """A point-in-time view for progress bars, metrics endpoints and benchmarks."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    stats: SchedulerStats
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.stats.prefix_cache_hits / max(1, self.stats.prefix_cache_queries)
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
+        self._arrivals = itertools.count()
+        self._watermark = int(config.kv_watermark * block_manager.num_blocks)
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def metrics(self) -> SchedulerMetrics:
+        return SchedulerMetrics(len(self.running), len(self.waiting), self.block_manager.usage, self.stats)
+
     def add(self, seq: Sequence) -> None:
+        seq.arrival_order = next(self._arrivals)
         self.waiting.append(seq)
 
+    # ---- policy ---------------------------------------------------------------------------
+    def _waiting_key(self, seq: Sequence, now: float) -> tuple:
+        policy = self.config.scheduling_policy
+        if policy == "priority":
+            return (seq.priority, seq.arrival_order)
+        if policy == "length":
+            # Shortest remaining prefill first, but a request that has waited past the aging
+            # bound goes ahead of every younger one: short prompts cannot starve long ones.
+            aged = now - seq.timings.arrival >= self.config.length_aging_s
+            remaining = 0 if aged else seq.num_tokens - seq.num_computed_tokens
+            return (not aged, remaining, seq.arrival_order)
+        return (seq.arrival_order,)
+
+    def _victim_key(self, seq: Sequence) -> tuple:
+        # Requests preempted too often are protected: only taken once nothing else is left,
+        # so the oldest of them always makes progress and nothing is preempted forever.
+        protected = seq.num_preemptions >= self.config.max_preemptions
+        return (not protected, seq.priority, seq.arrival_order)
+
+    # ---- the step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
@@ -69,52 +113,102 @@ class Scheduler:
         for item in out.scheduled:
             if item.seq.timings.scheduled is None:
                 item.seq.timings.scheduled = now
+        self.stats.last_step_tokens = out.num_batched_tokens
+        self.stats.max_step_tokens = max(self.stats.max_step_tokens, out.num_batched_tokens)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        now = time.monotonic()
+        # Decodes first (one token each, latency-critical), then prefill chunks by policy.
+        order = sorted(self.running, key=lambda s: (s.in_prefill, self._waiting_key(s, now)))
+        for seq in order:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.allocate(seq, n):
-                victim = self.running.pop()  # newest first
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    return budget
+            if not self._allocate_or_preempt(seq, n, out):
+                continue
             out.scheduled.append(ScheduledSequence(seq, n))
             budget -= n
-            i += 1
         return budget
+
+    def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        scheduled = {id(item.seq) for item in out.scheduled}
+        while not self.block_manager.allocate(seq, n):
+            candidates = [s for s in self.running if id(s) not in scheduled]
+            victim = max(candidates, key=self._victim_key)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        now = time.monotonic()
+        pending = self._blocks_being_computed()
+        for seq in sorted(self.waiting, key=lambda s: self._waiting_key(s, now)):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             hits = bm.find_cached_prefix(seq)
+            if self._waits_for_shared_prefix(seq, len(hits), pending):
+                continue
             remaining = seq.num_tokens - len(hits) * bm.block_size
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
                 break
+            needed = bm.num_new_blocks_needed(seq, n, len(hits))
+            if self.running and needed + self._watermark > bm.num_free_blocks:
+                break
             if not bm.allocate(seq, n, hits):
                 break
-            self.waiting.popleft()
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = len(hits) * bm.block_size
-                self.stats.prefix_cache_queries += seq.num_tokens
-                self.stats.prefix_cache_hits += seq.num_cached_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._start(seq, hits)
+            self._note_pending(seq, pending)
             out.scheduled.append(ScheduledSequence(seq, n))
             budget -= n
 
+    def _start(self, seq: Sequence, hits: list[int]) -> None:
+        self.waiting.remove(seq)
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = len(hits) * self.block_manager.block_size
+            self.stats.prefix_cache_queries += seq.num_tokens
+            self.stats.prefix_cache_hits += seq.num_cached_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    # ---- prefix-aware admission -------------------------------------------------------------
+    def _blocks_being_computed(self) -> set[int]:
+        """Hashes of full blocks that running requests will compute but have not yet cached."""
+        pending: set[int] = set()
+        for seq in self.running:
+            self._note_pending(seq, pending)
+        return pending
+
+    def _note_pending(self, seq: Sequence, pending: set[int]) -> None:
+        if not self.config.enable_prefix_caching:
+            return
+        bm = self.block_manager
+        first = seq.num_computed_tokens // bm.block_size
+        for index in range(first, seq.num_prompt_tokens // bm.block_size):
+            pending.add(bm.block_hash(seq, index))
+
+    def _waits_for_shared_prefix(self, seq: Sequence, num_hits: int, pending: set[int]) -> bool:
+        """Defer a request whose next block another request is computing right now: it will
+        be a cache hit in a step or two instead of being computed twice."""
+        if not pending or (num_hits + 1) * self.block_manager.block_size >= seq.num_tokens:
+            return False
+        return self.block_manager.block_hash(seq, num_hits) in pending
+
+    # ---- state changes ----------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        self.running.remove(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.append(seq)
 
     def on_step_computed(self, out: SchedulerOutput) -> None:
         """Advance computed counts after the model ran, and publish newly full blocks."""

