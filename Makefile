@@ -18,9 +18,11 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# A real batch job: 240 product reviews to label and summarise (examples/reviews.jsonl, written by
+# examples/make_reviews.py), on the embedded model; --overwrite so every demo starts afresh.
 demo: $(STAMP)
-	$(VENV)/bin/tokenmill generate --file examples/prompts.txt --chat --max-tokens 48 \
-		--temperature 0 --price-per-hour 0.10
+	$(VENV)/bin/tokenmill run examples/reviews.jsonl -o out/demo --overwrite \
+		--max-tokens 24 --temperature 0 --price-per-hour 0.10
 
 test: $(STAMP)
 	$(PY) -m pytest -q -rs

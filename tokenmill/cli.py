@@ -17,6 +17,11 @@ def main(argv: list[str] | None = None) -> int:
 
     plan_cli.add_arguments(plan)
     plan.set_defaults(handler=plan_cli.run)
+    run = commands.add_parser("run", help="run a batch job: JSONL in, OpenAI batch output out, resumable")
+    from tokenmill.jobs import cli as jobs_cli
+
+    jobs_cli.add_arguments(run)
+    run.set_defaults(handler=jobs_cli.run)
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args))

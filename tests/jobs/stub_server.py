@@ -1,0 +1,132 @@
+"""A tiny OpenAI-compatible server on 127.0.0.1 that fails on cue, for the endpoint backend's tests.
+
+Each request is keyed by its prompt (the last message's content, or `prompt`); `script[key]`
+lists what to do on the 1st, 2nd, … attempt: "ok", "429", "429-wait" (Retry-After: 1), "500",
+"slow" (reply after the client gave up), "drop" (close the connection without a reply), "400".
+Attempts past the script's end are "ok". The server answers at most `max_requests` requests
+(then 400s, which the client never retries) and stops with the `with` block.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class StubServer:
+    def __init__(
+        self, script: dict[str, list[str]] | None = None, delay: float = 0.0, slow_s: float = 1.0,
+        max_requests: int = 500,
+    ) -> None:
+        self.script = script or {}
+        self.delay, self.slow_s, self.max_requests = delay, slow_s, max_requests
+        self.attempts: Counter[str] = Counter()
+        self.times: dict[str, list[float]] = {}  # key → arrival time of each attempt
+        self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.inflight = self.max_inflight = 0
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._server.daemon_threads = False
+        self._server.block_on_close = True  # server_close() waits for slow handlers: nothing outlives a test
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05})
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}/v1"
+
+    def __enter__(self) -> StubServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=10)
+
+    def admit(self, key: str, body: dict[str, Any], headers: dict[str, str]) -> str:
+        """Record an attempt and say what to do with it."""
+        with self._lock:
+            if sum(self.attempts.values()) >= self.max_requests:
+                return "400"
+            self.attempts[key] += 1
+            self.times.setdefault(key, []).append(time.monotonic())
+            self.bodies.append(body)
+            self.headers.append(headers)
+            self.inflight += 1
+            self.max_inflight = max(self.max_inflight, self.inflight)
+            steps = self.script.get(key, [])
+            n = self.attempts[key]
+            return steps[n - 1] if n <= len(steps) else "ok"
+
+    def done(self) -> None:
+        with self._lock:
+            self.inflight -= 1
+
+
+def completion(body: dict[str, Any], key: str) -> dict[str, Any]:
+    words = len(key.split())
+    if "messages" in body:
+        choice = {"index": 0, "message": {"role": "assistant", "content": f"echo: {key}"}, "finish_reason": "stop"}
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": f"echo: {key}", "finish_reason": "stop"}
+        kind = "text_completion"
+    usage = {"prompt_tokens": words + 5, "completion_tokens": words + 1, "total_tokens": 2 * words + 6,
+             "prompt_tokens_details": {"cached_tokens": 2}}
+    return {"id": "cmpl-stub", "object": kind, "created": 0, "model": body.get("model", "stub"),
+            "choices": [choice], "usage": usage}
+
+
+def _key(body: dict[str, Any]) -> str:
+    if "messages" in body:
+        return str(body["messages"][-1]["content"])
+    return str(body.get("prompt"))
+
+
+def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:  # quiet
+            pass
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            key = _key(body)
+            action = stub.admit(key, body, dict(self.headers))
+            try:
+                time.sleep(stub.delay)
+                self._act(action, body, key)
+            finally:
+                stub.done()
+
+        def _act(self, action: str, body: dict[str, Any], key: str) -> None:
+            if action == "drop":
+                self.close_connection = True  # closed with no reply: the client sees a dropped connection
+                return
+            if action == "slow":
+                time.sleep(stub.slow_s)
+            status, headers = {"429": (429, {"Retry-After": "0"}), "429-wait": (429, {"Retry-After": "1"}),
+                               "500": (500, {}), "400": (400, {})}.get(action, (200, {}))
+            reply = completion(body, key) if status == 200 else {"error": {"message": f"stub says {action}"}}
+            self._send(status, reply, headers)
+
+        def _send(self, status: int, reply: dict[str, Any], headers: dict[str, str]) -> None:
+            data = json.dumps(reply).encode()
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True  # the client gave up on a slow reply
+
+    return Handler

@@ -1,0 +1,170 @@
+"""Input validation: every bad line reported by number and field; the three input forms."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tokenmill.jobs.embedded import EmbeddedBackend
+from tokenmill.jobs.spec import DocumentOptions, read_input
+
+from .conftest import batch_line, write_jsonl
+
+
+def errors_of(path: Path, options: DocumentOptions | None = None, **kw) -> list[str]:
+    return [e.message for e in read_input(path, options or DocumentOptions(), **kw).errors]
+
+
+def test_every_bad_batch_line_is_reported_by_number(tmp_path: Path) -> None:
+    good = batch_line("r-1", "hello")
+    no_id = {k: v for k, v in batch_line("x", "hi").items() if k != "custom_id"}
+    rows = [
+        good,                                                        # 1
+        batch_line("r-2", "fine"),                                   # 2
+        {**batch_line("r-3", "x"), "url": "/v1/embeddings"},         # 3
+        '{"custom_id": "r-4" "url": 1}',                             # 4
+        [1, 2],                                                      # 5
+        {**batch_line("r-6", "x"), "method": "GET"},                 # 6
+        no_id,                                                       # 7
+        {"custom_id": "r-8", "url": "/v1/chat/completions"},         # 8
+        batch_line("r-1", "again"),                                  # 9
+        {"custom_id": "r-10", "url": "/v1/completions", "body": {}},  # 10
+        {"custom_id": "r-11", "url": "/v1/chat/completions", "body": {"messages": []}},  # 11
+        batch_line("r-12", "x", max_tokens=0),                       # 12
+        batch_line("r-13", "x", temperature=-1),                     # 13
+        {"custom_id": 14, "url": "/v1/completions", "body": {"prompt": "x"}},  # 14
+        {"custom_id": "r-15", "url": "/v1/completions", "body": {"prompt": ["a", "b"]}},  # 15
+        {"custom_id": "r-16", "url": "/v1/chat/completions", "body": "hi"},  # 16
+        {"custom_id": "r-17", "url": "/v1/chat/completions", "body": {"messages": [{"content": "x"}]}},  # 17
+    ]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    with path.open("ab") as f:
+        f.write(b'{"custom_id": "r-18", "url": "/v1/completions", "body": {"prompt": "\xff"}}\n')  # 18
+    spec = read_input(path, DocumentOptions())
+    assert spec.format == "batch"
+    assert [e.custom_id for e in spec.entries] == ["r-1", "r-2"]
+    assert [e.message for e in spec.errors] == [
+        'line 3: unknown url "/v1/embeddings" (supported: /v1/chat/completions, /v1/completions)',
+        "line 4: not JSON (Expecting ',' delimiter: line 1 column 21)",
+        "line 5: expected a JSON object, got a list",
+        'line 6: method "GET" is not supported (only "POST")',
+        'line 7: missing field "custom_id"',
+        'line 8: missing field "body"',
+        'line 9: duplicate custom_id "r-1" (first seen on line 1)',
+        'line 10: missing field "body.prompt"',
+        "line 11: body.messages must be a non-empty list, got []",
+        "line 12: body.max_tokens must be a positive integer, got 0",
+        "line 13: body.temperature must be a number >= 0, got -1",
+        'line 14: "custom_id" must be a non-empty string, got 14',
+        "line 15: body.prompt must be one string or a list of token ids (one prompt per line)",
+        'line 16: "body" must be a JSON object, got a string',
+        'line 17: body.messages[0] must be an object with a "role"',
+        "line 18: not UTF-8 (invalid start byte at byte 68)",
+    ]
+    assert spec.errors[6].custom_id == "r-1" and spec.errors[4].custom_id is None
+    assert spec.num_lines == 18
+
+
+def test_blank_lines_are_skipped_and_lines_keep_their_numbers(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps(batch_line("a", "x")) + "\n\n   \n" + '{"custom_id": "b"}\n')
+    assert errors_of(path) == ['line 4: missing field "url"']
+
+
+def test_simple_jsonl_prompt_and_messages(tmp_path: Path) -> None:
+    rows = [
+        {"id": "a", "prompt": "Great kettle."},
+        {"prompt": "No id here."},
+        {"id": 7, "messages": [{"role": "user", "content": "hi"}]},
+        {"id": "d", "prompt": "x", "messages": []},
+        {"id": "e"},
+        {"id": "a", "prompt": "dup"},
+        {"id": "g", "prompt": ""},
+    ]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    options = DocumentOptions(system="Classify.", template="Review: {text}", max_tokens=5, temperature=0)
+    spec = read_input(path, options)
+    assert spec.format == "jsonl"
+    assert [e.custom_id for e in spec.entries] == ["a", "line-2", "7"]
+    assert [e.message for e in spec.errors] == [
+        'line 4: has both "prompt" and "messages": give one',
+        'line 5: missing field "prompt" (or "messages")',
+        'line 6: duplicate custom_id "a" (first seen on line 1)',
+        'line 7: "prompt" must be a non-empty string, got ""',
+    ]
+    first, _, third = spec.requests(spec.entries)
+    assert first.body == {
+        "messages": [{"role": "system", "content": "Classify."}, {"role": "user", "content": "Review: Great kettle."}],
+        "max_tokens": 5, "temperature": 0,
+    }
+    assert third.body["messages"][0] == {"role": "system", "content": "Classify."}
+
+
+def test_text_file_one_document_a_line(tmp_path: Path) -> None:
+    path = tmp_path / "docs.txt"
+    path.write_text("The lid broke.\n\n{not json, just a document}\nLove it.\n")
+    spec = read_input(path, DocumentOptions(completions=True, template="Sentiment of: {text}\nAnswer:"))
+    assert spec.format == "text" and not spec.errors
+    requests = list(spec.requests(spec.entries))
+    assert [r.custom_id for r in requests] == ["line-1", "line-3", "line-4"]
+    assert requests[1].url == "/v1/completions"
+    assert requests[1].body["prompt"] == "Sentiment of: {not json, just a document}\nAnswer:"
+
+
+def test_options_fill_bodies_but_do_not_override_them(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "in.jsonl", [batch_line("a", "x", max_tokens=3), batch_line("b", "y")])
+    spec = read_input(path, DocumentOptions(max_tokens=9, temperature=0.5, model="served-model"))
+    a, b = spec.requests(spec.entries)
+    assert a.body["max_tokens"] == 3 and b.body["max_tokens"] == 9
+    assert a.body["model"] == b.body["model"] == "served-model"
+    assert a.body["temperature"] == 0.5
+
+
+def test_format_detection_and_forcing(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "in.data", [{"prompt": "x"}])
+    assert read_input(path, DocumentOptions()).format == "jsonl"
+    forced = read_input(path, DocumentOptions(), input_format="text")
+    assert forced.format == "text" and not forced.errors
+    plain = tmp_path / "plain"
+    plain.write_text("just words\n")
+    assert read_input(plain, DocumentOptions()).format == "text"
+
+
+def test_sha256_covers_the_whole_file(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "in.jsonl", [batch_line("a", "x")])
+    first = read_input(path, DocumentOptions()).sha256
+    path.write_text(path.read_text() + "\n")
+    assert read_input(path, DocumentOptions()).sha256 != first
+
+
+def test_bad_options_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"\{text\}"):
+        DocumentOptions(template="no placeholder")
+    with pytest.raises(ValueError, match="--max-tokens"):
+        DocumentOptions(max_tokens=0)
+
+
+def test_embedded_backend_rules_are_checked_up_front(tmp_path: Path) -> None:
+    rows = [
+        batch_line("ok", "x", top_k=-1),
+        batch_line("n", "x", n=2),
+        batch_line("tools", "x", tools=[{"type": "function"}]),
+        batch_line("top_p", "x", top_p=2),
+        {"custom_id": "img", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]}},
+    ]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    backend = EmbeddedBackend()  # nothing is loaded until start()
+    assert errors_of(path, check=backend.check) == [
+        "line 2: body.n = 2: the embedded engine returns one choice per request",
+        "line 3: body.tools is not supported by the embedded engine",
+        "line 4: body.top_p must be in (0, 1], got 2.0",
+        "line 5: body.messages[0]: only text content parts are supported by the embedded engine",
+    ]
+
+
+def test_missing_input_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="not found"):
+        read_input(tmp_path / "nope.jsonl", DocumentOptions())

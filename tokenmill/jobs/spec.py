@@ -1,0 +1,351 @@
+"""Reading a job's input: every line checked before any work, each good line a `BatchRequest`.
+
+Three input forms, all turned into OpenAI batch requests (`custom_id`, `url`, `body`):
+
+- the OpenAI Batch API format: `{"custom_id", "method": "POST", "url", "body"}` a line;
+- simple JSONL: `{"id"?, "prompt"}` or `{"id"?, "messages"}` a line;
+- plain text: one document a line.
+
+`DocumentOptions` say how a document (a text line or a `prompt`) becomes a request, and fill
+`max_tokens` / `temperature` / `model` into every body that lacks them.
+
+The validation pass keeps only a small `Entry` per good line (its byte offset, id and a size
+estimate), not the request itself, so a million-line file does not sit in memory; the work
+pass re-reads each line when it is about to run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL)
+FORMATS = ("auto", "batch", "jsonl", "text")
+DEFAULT_MAX_TOKENS = 256  # for bodies without max_tokens when --max-tokens is not given
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".csv", ".tsv")
+
+
+class LineError(ValueError):
+    """One bad input line; the message has no line prefix (`InputError` adds it)."""
+
+
+@dataclass(frozen=True)
+class DocumentOptions:
+    """How documents become requests, and what fills the gaps in every request body."""
+
+    system: str | None = None  # a system message for documents (and messages without one)
+    template: str | None = None  # the user message, with "{text}" where the document goes
+    max_tokens: int | None = None
+    temperature: float | None = None
+    model: str | None = None  # sets body["model"] (what an endpoint serves the request with)
+    completions: bool = False  # documents as /v1/completions prompts instead of chat
+
+    def __post_init__(self) -> None:
+        if self.template is not None and "{text}" not in self.template:
+            raise ValueError(f'--template must contain "{{text}}" where the document goes, got {self.template!r}')
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise ValueError(f"--max-tokens must be positive, got {self.max_tokens}")
+        if self.temperature is not None and self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The options that change what a request asks for (hence its result)."""
+        return {
+            "system": self.system, "template": self.template, "max_tokens": self.max_tokens,
+            "temperature": self.temperature, "body_model": self.model, "completions": self.completions,
+        }
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    line: int  # 1-based line number in the input file
+    custom_id: str
+    url: str  # CHAT_URL or COMPLETIONS_URL
+    body: dict[str, Any]
+
+    @property
+    def max_tokens(self) -> int:
+        value = self.body.get("max_completion_tokens") or self.body.get("max_tokens")
+        return value if isinstance(value, int) else DEFAULT_MAX_TOKENS
+
+
+@dataclass(frozen=True)
+class InputError:
+    line: int
+    custom_id: str | None  # None when the line has no readable id
+    reason: str
+
+    @property
+    def message(self) -> str:
+        return f"line {self.line}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What the validation pass keeps of a good line."""
+
+    line: int
+    offset: int  # byte offset of the line in the file
+    custom_id: str
+    cost: int  # rough size in tokens (prompt bytes / 4 + max_tokens), for length buckets
+
+
+@dataclass
+class InputFile:
+    path: Path
+    format: str  # "batch" | "jsonl" | "text"
+    sha256: str
+    options: DocumentOptions
+    entries: list[Entry] = field(default_factory=list)
+    errors: list[InputError] = field(default_factory=list)
+
+    @property
+    def num_lines(self) -> int:
+        """Requests the file asks for: good lines plus bad ones."""
+        return len(self.entries) + len(self.errors)
+
+    def requests(self, entries: Iterable[Entry]) -> Iterator[BatchRequest]:
+        """Re-read and parse the given lines, in the given order, one at a time."""
+        with self.path.open("rb") as f:
+            for entry in entries:
+                f.seek(entry.offset)
+                yield parse_line(f.readline(), entry.line, self.format, self.options)
+
+
+def read_input(
+    path: Path,
+    options: DocumentOptions,
+    input_format: str = "auto",
+    check: Callable[[BatchRequest], None] | None = None,
+) -> InputFile:
+    """Check every line; `check` adds the backend's own rules (it raises ValueError)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"input file {str(path)!r} not found")
+    if input_format not in FORMATS:
+        raise ValueError(f"--input-format must be one of {FORMATS}, got {input_format!r}")
+    fmt = detect_format(path) if input_format == "auto" else input_format
+    result = InputFile(path, fmt, "", options)
+    digest = hashlib.sha256()
+    first_seen: dict[str, int] = {}
+    offset = 0
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            digest.update(raw)
+            line_offset, offset = offset, offset + len(raw)
+            if not raw.strip():
+                continue  # blank lines are not requests
+            try:
+                request = parse_line(raw, number, fmt, options, first_seen)
+            except LineError as exc:
+                result.errors.append(InputError(number, _readable_id(raw, fmt), str(exc)))
+                continue
+            try:
+                if check is not None:
+                    check(request)  # the backend's own rules
+            except ValueError as exc:
+                result.errors.append(InputError(number, request.custom_id, str(exc)))
+                continue
+            cost = len(raw) // 4 + request.max_tokens
+            result.entries.append(Entry(number, line_offset, request.custom_id, cost))
+    result.sha256 = digest.hexdigest()
+    return result
+
+
+def detect_format(path: Path) -> str:
+    """Text by suffix; otherwise JSONL if the first line is an object, batch if it has batch keys."""
+    if path.suffix.lower() in TEXT_SUFFIXES:
+        return "text"
+    with path.open("rb") as f:
+        for raw in f:
+            text = raw.decode("utf-8", errors="replace").lstrip("\ufeff").strip()
+            if not text:
+                continue
+            if not text.startswith("{"):
+                return "text"
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError:
+                continue  # a bad line; let a later one decide, it will be reported anyway
+            if isinstance(obj, dict) and obj.keys() & {"custom_id", "body", "url", "method"}:
+                return "batch"
+            return "jsonl"
+    return "jsonl"
+
+
+def parse_line(
+    raw: bytes,
+    number: int,
+    fmt: str,
+    options: DocumentOptions,
+    first_seen: dict[str, int] | None = None,
+) -> BatchRequest:
+    """One input line → a request; raises LineError. `first_seen` collects ids for duplicates."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise LineError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    if number == 1:
+        text = text.lstrip("\ufeff")
+    if fmt == "text":
+        custom_id = f"line-{number}"
+        _check_unique(custom_id, number, first_seen)
+        return _document_request(number, custom_id, text.strip(), options)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise LineError(f"not JSON ({exc.msg}: line {exc.lineno} column {exc.colno})") from None
+    if not isinstance(obj, dict):
+        raise LineError(f"expected a JSON object, got {_json_type(obj)}")
+    if fmt == "batch":
+        return _batch_request(number, obj, options, first_seen)
+    return _simple_request(number, obj, options, first_seen)
+
+
+def _batch_request(
+    number: int, obj: dict[str, Any], options: DocumentOptions, first_seen: dict[str, int] | None
+) -> BatchRequest:
+    custom_id = _require(obj, "custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise LineError(f'"custom_id" must be a non-empty string, got {json.dumps(custom_id)}')
+    _check_unique(custom_id, number, first_seen)
+    method = obj.get("method", "POST")
+    if method != "POST":
+        raise LineError(f'method {json.dumps(method)} is not supported (only "POST")')
+    url = _require(obj, "url")
+    if url not in SUPPORTED_URLS:
+        raise LineError(f"unknown url {json.dumps(url)} (supported: {', '.join(SUPPORTED_URLS)})")
+    body = _require(obj, "body")
+    if not isinstance(body, dict):
+        raise LineError(f'"body" must be a JSON object, got {_json_type(body)}')
+    body = _fill_defaults(dict(body), options)
+    _check_body(url, body)
+    return BatchRequest(number, custom_id, url, body)
+
+
+def _simple_request(
+    number: int, obj: dict[str, Any], options: DocumentOptions, first_seen: dict[str, int] | None
+) -> BatchRequest:
+    raw_id = obj.get("id", f"line-{number}")
+    if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)) or raw_id == "":
+        raise LineError(f'"id" must be a non-empty string or an integer, got {json.dumps(raw_id)}')
+    custom_id = str(raw_id)
+    _check_unique(custom_id, number, first_seen)
+    has_prompt, has_messages = "prompt" in obj, "messages" in obj
+    if has_prompt == has_messages:
+        both = 'has both "prompt" and "messages": give one'
+        raise LineError(both if has_prompt else 'missing field "prompt" (or "messages")')
+    if has_prompt:
+        prompt = obj["prompt"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise LineError(f'"prompt" must be a non-empty string, got {json.dumps(prompt)[:60]}')
+        return _document_request(number, custom_id, prompt, options)
+    if options.completions:
+        raise LineError('"messages" need the chat API; drop --completions')
+    messages = list(obj["messages"]) if isinstance(obj["messages"], list) else obj["messages"]
+    body = {"messages": _with_system(messages, options.system)}
+    body = _fill_defaults(body, options)
+    _check_body(CHAT_URL, body, prefix="")
+    return BatchRequest(number, custom_id, CHAT_URL, body)
+
+
+def _document_request(number: int, custom_id: str, text: str, options: DocumentOptions) -> BatchRequest:
+    if not text:
+        raise LineError("empty document")
+    content = options.template.replace("{text}", text) if options.template else text
+    if options.completions:
+        prompt = f"{options.system}\n\n{content}" if options.system else content
+        return BatchRequest(number, custom_id, COMPLETIONS_URL, _fill_defaults({"prompt": prompt}, options))
+    messages = _with_system([{"role": "user", "content": content}], options.system)
+    return BatchRequest(number, custom_id, CHAT_URL, _fill_defaults({"messages": messages}, options))
+
+
+def _with_system(messages: Any, system: str | None) -> Any:
+    if system is None or not isinstance(messages, list):
+        return messages
+    if any(isinstance(m, dict) and m.get("role") == "system" for m in messages):
+        return messages  # the line's own system message wins
+    return [{"role": "system", "content": system}, *messages]
+
+
+def _fill_defaults(body: dict[str, Any], options: DocumentOptions) -> dict[str, Any]:
+    if options.model is not None:
+        body["model"] = options.model
+    if options.max_tokens is not None and "max_tokens" not in body and "max_completion_tokens" not in body:
+        body["max_tokens"] = options.max_tokens
+    if options.temperature is not None and "temperature" not in body:
+        body["temperature"] = options.temperature
+    return body
+
+
+def _check_body(url: str, body: dict[str, Any], prefix: str = "body.") -> None:
+    """Structural checks every backend needs; a server may still refuse what it does not support."""
+    if url == CHAT_URL:
+        _check_messages(body, prefix)
+    else:
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise LineError(f'missing field "{prefix}prompt"')
+        is_ids = isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)
+        if isinstance(prompt, list) and not is_ids:
+            raise LineError(f"{prefix}prompt must be one string or a list of token ids (one prompt per line)")
+        if not is_ids and (not isinstance(prompt, str) or not prompt):
+            raise LineError(f"{prefix}prompt must be a non-empty string, got {json.dumps(prompt)[:60]}")
+    for name in ("max_tokens", "max_completion_tokens", "n"):
+        value = body.get(name)
+        if value is not None and (type(value) is not int or value <= 0):
+            raise LineError(f"{prefix}{name} must be a positive integer, got {json.dumps(value)}")
+    temperature = body.get("temperature")
+    if temperature is not None and (type(temperature) not in (int, float) or temperature < 0):
+        raise LineError(f"{prefix}temperature must be a number >= 0, got {json.dumps(temperature)}")
+
+
+def _check_messages(body: dict[str, Any], prefix: str) -> None:
+    messages = body.get("messages")
+    if messages is None:
+        raise LineError(f'missing field "{prefix}messages"')
+    if not isinstance(messages, list) or not messages:
+        raise LineError(f"{prefix}messages must be a non-empty list, got {json.dumps(messages)[:60]}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise LineError(f'{prefix}messages[{i}] must be an object with a "role"')
+        if not isinstance(message.get("content"), (str, list)):
+            raise LineError(f'{prefix}messages[{i}] needs a "content" string (or list of parts)')
+
+
+def _require(obj: dict[str, Any], name: str) -> Any:
+    if name not in obj:
+        raise LineError(f'missing field "{name}"')
+    return obj[name]
+
+
+def _check_unique(custom_id: str, number: int, first_seen: dict[str, int] | None) -> None:
+    if first_seen is None:
+        return
+    if custom_id in first_seen:
+        raise LineError(f"duplicate custom_id {json.dumps(custom_id)} (first seen on line {first_seen[custom_id]})")
+    first_seen[custom_id] = number
+
+
+def _readable_id(raw: bytes, fmt: str) -> str | None:
+    """The id of a bad line when it can be read, for the error row."""
+    if fmt == "text":
+        return None
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(obj, dict):
+        return None
+    value = obj.get("custom_id" if fmt == "batch" else "id")
+    return str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")

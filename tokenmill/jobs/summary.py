@@ -1,0 +1,148 @@
+"""The bill at the end of a job: counts, tokens, speeds and cost, as a table and as JSON.
+
+Definitions (also in docs/jobs.md):
+- output tok/s = completion tokens of this run ÷ wall time of this run (model load excluded);
+- prefill tok/s = tokens the engine prefilled ÷ the time of the engine steps that prefilled any;
+- decode tok/s = tokens the engine decoded ÷ the time of the engine steps that decoded any
+  (a step doing both counts in both, so both rates are lower bounds of the pure speeds);
+- cost: $/hour ÷ (output tok/s × 3600) per token; the job's cost = $/hour × wall hours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from tokenmill.jobs.output import OutputPaths
+    from tokenmill.jobs.runner import Backend, BackendStats, JobConfig, OutputState, ResultSink
+    from tokenmill.jobs.spec import InputFile
+
+
+@dataclass
+class Summary:
+    input_path: str
+    results_path: str
+    errors_path: str
+    backend: str
+    model: str
+    interrupted: bool
+    requests: dict[str, int]  # the whole job: total, done, failed, not_done, …; and this run's
+    tokens: dict[str, int]  # this run: prompt, cached, completion
+    engine: dict[str, Any]  # this run, embedded only: prefill/decode tokens and seconds, preemptions
+    time: dict[str, float]  # load_s, wall_s
+    throughput: dict[str, float | None]  # prefill/decode/output/total tokens per second
+    cost: dict[str, float | None] | None  # with --price-per-hour
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def build_summary(
+    config: JobConfig,
+    paths: OutputPaths,
+    spec: InputFile,
+    state: OutputState,
+    sink: ResultSink,
+    stats: BackendStats,
+    wall: float,
+    backend: Backend,
+    interrupted: bool,
+) -> Summary:
+    valid = {e.custom_id for e in spec.entries}
+    done = len(state.done & valid) + sink.done
+    failed = len(spec.errors) + len(state.failed & valid) + sink.failed
+    requests = {
+        "total": spec.num_lines, "done": done, "failed": failed, "not_done": spec.num_lines - done - failed,
+        "invalid_lines": len(spec.errors), "retryable": sink.transient,
+        "done_this_run": sink.done, "failed_this_run": sink.failed,
+    }
+    tokens = {"prompt": sink.prompt_tokens, "cached": sink.cached_tokens, "completion": sink.completion_tokens}
+    engine = {
+        "prefill_tokens": stats.prefill_tokens, "decode_tokens": stats.decode_tokens,
+        "prefill_s": _round(stats.prefill_s), "decode_s": _round(stats.decode_s),
+        "preemptions": stats.num_preemptions,
+        "retries": stats.retries,
+    }
+    output_rate = _rate(sink.completion_tokens, wall)
+    throughput = {
+        "prefill_tok_s": _rate(stats.prefill_tokens, stats.prefill_s),
+        "decode_tok_s": _rate(stats.decode_tokens, stats.decode_s),
+        "output_tok_s": output_rate,
+        "total_tok_s": _rate(sink.prompt_tokens + sink.completion_tokens, wall),
+    }
+    return Summary(
+        input_path=str(config.input), results_path=str(paths.results), errors_path=str(paths.errors),
+        backend=backend.kind, model=backend.model, interrupted=interrupted, requests=requests, tokens=tokens,
+        engine=engine, time={"load_s": round(stats.load_s, 3), "wall_s": round(wall, 3)},
+        throughput=throughput, cost=_cost(config.price_per_hour, output_rate, wall),
+    )
+
+
+def _cost(price_per_hour: float | None, output_rate: float | None, wall: float) -> dict[str, float | None] | None:
+    if price_per_hour is None:
+        return None
+    per_million = None
+    per_dollar = None
+    if output_rate:
+        per_million = price_per_hour / (output_rate * 3600) * 1e6
+        per_dollar = output_rate * 3600 / 1e6 / price_per_hour if price_per_hour else None
+    return {
+        "price_per_hour": price_per_hour,
+        "usd_per_million_output_tokens": _significant(per_million),
+        "million_output_tokens_per_usd": _significant(per_dollar),
+        "job_usd": _significant(price_per_hour * wall / 3600),
+    }
+
+
+def _rate(tokens: int | None, seconds: float | None) -> float | None:
+    if tokens is None or not seconds:
+        return None
+    return round(tokens / seconds, 2)
+
+
+def _significant(value: float | None, digits: int = 6) -> float | None:
+    return None if value is None else float(f"{value:.{digits}g}")
+
+
+def _round(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def print_summary(summary: Summary, console: Console) -> None:
+    req, tok, eng, thr = summary.requests, summary.tokens, summary.engine, summary.throughput
+    table = Table(title=f"tokenmill run · {summary.backend} · {summary.model}", show_header=False,
+                  title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    this_run = f" (this run: {req['done_this_run']} done, {req['failed_this_run']} failed)"
+    table.add_row("requests", f"{req['done']} done · {req['failed']} failed · {req['not_done']} not done "
+                  f"of {req['total']}" + (this_run if req["done_this_run"] != req["done"] else ""))
+    table.add_row("tokens", f"prompt {tok['prompt']:,} (cached {tok['cached']:,}) · completion {tok['completion']:,}")
+    table.add_row("time", f"wall {summary.time['wall_s']:.1f} s · model load {summary.time['load_s']:.1f} s")
+    if eng["prefill_tokens"] is not None:
+        table.add_row("prefill", _speed(eng["prefill_tokens"], eng["prefill_s"], thr["prefill_tok_s"]))
+        table.add_row("decode", _speed(eng["decode_tokens"], eng["decode_s"], thr["decode_tok_s"]))
+    if eng["retries"] is not None:
+        table.add_row("retries", f"{eng['retries']}")
+    table.add_row("output", f"{_fmt(thr['output_tok_s'])} tok/s · total {_fmt(thr['total_tok_s'])} tok/s")
+    if summary.cost is not None:
+        c = summary.cost
+        table.add_row(
+            f"cost at ${c['price_per_hour']:g}/h",
+            f"${_fmt(c['usd_per_million_output_tokens'], 2)} per M output tokens · "
+            f"{_fmt(c['million_output_tokens_per_usd'], 2)} M output tokens per $ · this run ${c['job_usd']:.2g}",
+        )
+    table.add_row("files", f"{summary.results_path} · {summary.errors_path}")
+    console.print(table)
+
+
+def _speed(tokens: int | None, seconds: float | None, rate: float | None) -> str:
+    return f"{tokens or 0:,} tok in {seconds or 0:.1f} s → {_fmt(rate)} tok/s"
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:,.{digits}f}"
