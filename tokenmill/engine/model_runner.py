@@ -80,6 +80,7 @@ class ModelRunner:
             if item.samples:
                 logits_rows.append(len(input_ids) - 1)
         groups = [self._attention_group(spans) for spans in (decodes, prefills) if spans]
+        groups[0].covers_batch = not prefills  # decodes only: one row each, in batch order
         meta = AttentionMetadata(self._tensor(slot_mapping), groups)
         logits = self.model(
             self._tensor(input_ids), self._tensor(positions), self.kv_caches, meta,

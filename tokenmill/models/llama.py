@@ -26,6 +26,7 @@ class AttentionGroup:
     context_blocks: torch.Tensor  # [G, NB] block tables (padding: the zeroed null block)
     mask: torch.Tensor  # [G, 1, group*Lq, NB*block_size] bool, repeated for the query-head group
     output_rows: torch.Tensor  # query_index[query_valid]
+    covers_batch: bool = False  # the group is every row of the batch, in order (pure decode)
 
 
 @dataclass
@@ -83,6 +84,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache  # [blocks, block_size, kv_heads, head_dim]
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        if len(meta.groups) == 1 and meta.groups[0].covers_batch:  # skip the scatter
+            return self.o_proj(self._attend(q, k_cache, v_cache, meta.groups[0]).reshape(tokens, -1))
         out = torch.empty_like(q)
         for g in meta.groups:
             out[g.output_rows] = self._attend(q, k_cache, v_cache, g)
@@ -95,7 +98,7 @@ class Attention(nn.Module):
         kvh, grp, d = self.num_kv_heads, self.group, self.head_dim
         # Fold the query heads that share a KV head into the query length: GQA without
         # copying K/V once per query head.
-        qg = q[g.query_index].view(n, lq, kvh, grp, d).permute(0, 2, 3, 1, 4)
+        qg = (q if g.covers_batch else q[g.query_index]).view(n, lq, kvh, grp, d).permute(0, 2, 3, 1, 4)
         qg = qg.reshape(n, kvh, grp * lq, d)
         # Gather whole blocks (one contiguous copy each), not token slots: ~5x faster here.
         blocks = g.context_blocks.flatten()
@@ -103,7 +106,7 @@ class Attention(nn.Module):
         vg = v_cache.index_select(0, blocks).view(n, -1, kvh, d).transpose(1, 2)
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask)
         o = o.view(n, kvh, grp, lq, d).permute(0, 3, 1, 2, 4).reshape(n, lq, kvh * grp, d)
-        return o[g.query_valid]
+        return o.view(n, kvh * grp, d) if g.covers_batch else o[g.query_valid]
 
 
 class MLP(nn.Module):
