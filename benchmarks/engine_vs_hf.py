@@ -254,7 +254,7 @@ def _shared_len(a: list[int], b: list[int]) -> int:
 
 def scenario_hol(ctx: Ctx) -> Row:
     def run_policy(prompts: list[list[int]], short: set[int], **cfg: object) -> dict:  # type: ignore[type-arg]
-        llm = LLM(weights=ctx.weights, max_model_len=4200, max_num_seqs=64, **cfg)
+        llm = LLM(weights=ctx.weights, max_model_len=4096, max_num_seqs=64, **cfg)
         res = timed(lambda: engine_generate(llm, prompts, SamplingParams(max_tokens=16, temperature=0,
                                                                           ignore_eos=True)))
         outs = res.result
@@ -301,17 +301,22 @@ def main() -> None:
     args = ap.parse_args()
     weights = load_weights(None)
     ctx = Ctx(weights, LLM(weights=weights, max_model_len=2048), hf_model(weights), weights.tokenizer, args.runs)
-    rows = []
+    runners: list[Callable[[], Row]] = []
     for name in args.scenarios.split(","):
         if name == "fixed":
-            rows += [scenario_fixed(ctx, int(b)) for b in args.batch_sizes.split(",")]
+            runners += [lambda b=int(b): scenario_fixed(ctx, b) for b in args.batch_sizes.split(",")]
         else:
-            rows.append({"batch1": scenario_batch1, "mixed": scenario_mixed, "shared": scenario_shared,
-                         "hol": scenario_hol}[name](ctx))
-        print(_row_line(rows[-1]), flush=True)
+            fn = {"batch1": scenario_batch1, "mixed": scenario_mixed, "shared": scenario_shared,
+                  "hol": scenario_hol}[name]
+            runners.append(lambda fn=fn: fn(ctx))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "engine_vs_hf.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
-    (args.out / "engine_vs_hf.md").write_text(_markdown(rows, args))
+    rows: list[Row] = []
+    for run_scenario in runners:
+        rows.append(run_scenario())
+        print(_row_line(rows[-1]), flush=True)
+        # Written after every scenario: a long run that dies later keeps what it measured.
+        (args.out / "engine_vs_hf.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        (args.out / "engine_vs_hf.md").write_text(_markdown(rows, args))
     print(_markdown(rows, args))
 
 

@@ -22,6 +22,16 @@ def main(argv: list[str] | None = None) -> int:
 
     jobs_cli.add_arguments(run)
     run.set_defaults(handler=jobs_cli.run)
+    serve = commands.add_parser("serve", help="an OpenAI-compatible server (completions, chat, Batch API, metrics)")
+    from tokenmill.serve import cli as serve_cli
+
+    serve_cli.add_arguments(serve)
+    serve.set_defaults(handler=serve_cli.run)
+    bench = commands.add_parser("bench", help="benchmark throughput, latency and cost (`bench compare` files)")
+    from tokenmill.bench import cli as bench_cli
+
+    bench_cli.add_arguments(bench)
+    bench.set_defaults(handler=bench_cli.run)
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args))

@@ -174,8 +174,13 @@ def order_entries(entries: list[Entry], order: str) -> list[Entry]:
     return sorted(entries, key=lambda e: (-e.cost.bit_length(), e.line))
 
 
-def run_job(config: JobConfig, backend: Backend, console: Console | None = None) -> int:
-    """Run (or resume) a job; returns the exit code. Raises JobError when it cannot start."""
+def run_job(
+    config: JobConfig, backend: Backend, console: Console | None = None, stop: StopFlag | None = None
+) -> int:
+    """Run (or resume) a job; returns the exit code. Raises JobError when it cannot start.
+
+    `stop`: set by the caller to stop the job from another thread (the server's Batch API).
+    """
     console = console or Console(stderr=True)
     paths = OutputPaths.from_option(config.output, config.errors)
     spec = read_input(config.input, config.options, config.input_format, backend.check)
@@ -190,7 +195,7 @@ def run_job(config: JobConfig, backend: Backend, console: Console | None = None)
 
     results = JsonlAppender(paths.results, config.fsync_interval)
     errors = JsonlAppender(paths.errors, config.fsync_interval)
-    stop = StopFlag()
+    stop = stop or StopFlag()
     stats, wall = BackendStats(), 0.0
     try:
         for error in spec.errors:

@@ -1,0 +1,88 @@
+"""Argument resolution, prices from the planner's catalog, planner compatibility, compare."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.bench.test_metrics import rec
+from tokenmill.bench import cli
+from tokenmill.bench.compare import run_compare
+from tokenmill.bench.metrics import summarize
+from tokenmill.bench.report import markdown, to_json, write_csv
+from tokenmill.bench.runner import RunData, SweepConfig, SweepResult
+from tokenmill.bench.workloads import LengthSpec, Workload
+from tokenmill.plan.measured import load_measured
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_preset_and_overrides() -> None:
+    wl, cfg = cli.resolve(parse("--preset", "seed-batch"))
+    assert (wl.input.mean, wl.output.mean, cfg.batch_sizes, cfg.runs) == (2048, 512, [1, 8, 32, 64], 3)
+    wl, cfg = cli.resolve(parse("--preset", "seed-batch", "--runs", "1", "--batch-sizes", "2"))
+    assert (cfg.runs, cfg.batch_sizes, wl.input.mean) == (1, [2], 2048)
+    assert parse("compare", "a.json", "b.json").files == [Path("a.json"), Path("b.json")]
+
+
+def test_price_by_number_or_catalog() -> None:
+    assert cli.resolve_price("0.10") == (0.10, "--price-per-hour")
+    price, source = cli.resolve_price("H200")
+    assert price == 3.80 and "H200" in str(source)
+    with pytest.raises(ValueError, match="price-per-hour"):
+        cli.resolve_price("tpu-v9")
+
+
+def fake_result(label: str, price: float | None, speed: float) -> SweepResult:
+    wl = Workload(LengthSpec(10), LengthSpec(4))
+    result = SweepResult({"kind": "test"}, label, wl, SweepConfig([1, 2], runs=1, price_per_hour=price,
+                         price_source="test"), {"cpu": "test"})
+    for b in (1, 2):
+        records = [rec(0.0, [i / speed for i in range(1, 5)]) for _ in range(b)]
+        point = summarize(b, records, 4 / speed)
+        result.points.append(point)
+        result.runs[b] = [RunData(point, records, {})]
+    return result
+
+
+def test_json_is_read_by_the_planner(tmp_path: Path) -> None:
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(to_json(fake_result("a", 0.1, 10.0))))
+    measured = load_measured(path)
+    assert (measured.input_len, measured.output_len) == (10, 4)
+    assert [p.batch_size for p in measured.points] == [1, 2]
+    assert measured.points[1].output_tokens_per_s == pytest.approx(20.0)
+    assert measured.points[0].decode_tokens_per_s is not None
+
+
+def test_markdown_csv_and_costs(tmp_path: Path) -> None:
+    data = to_json(fake_result("a", 0.1, 10.0))
+    p2 = data["points"][1]
+    assert p2["usd_per_m_output"] == pytest.approx(0.1 / (20 * 3600) * 1e6)
+    assert p2["m_output_per_usd"] == pytest.approx(1 / p2["usd_per_m_output"])
+    md = markdown(data)
+    assert "In the shape of the published study" in md and "| 2 |" in md
+    write_csv(data["points"], tmp_path / "p.csv")
+    assert (tmp_path / "p.csv").read_text().splitlines()[0].startswith("batch_size,")
+
+
+def test_compare_ranks_by_tokens_per_dollar(tmp_path: Path) -> None:
+    files = []
+    for label, price, speed in (("cheap-slow", 0.1, 10.0), ("dear-fast", 10.0, 100.0), ("no-price", None, 50.0)):
+        path = tmp_path / f"{label}.json"
+        path.write_text(json.dumps(to_json(fake_result(label, price, speed))))
+        files.append(path)
+    text = run_compare(files, tmp_path / "cmp")
+    rows = [line for line in text.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
+    assert "cheap-slow" in rows[0] and "dear-fast" in rows[1]
+    assert (tmp_path / "cmp" / "compare-throughput.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="not a tokenmill bench"):
+        (tmp_path / "x.json").write_text("{}")
+        run_compare([tmp_path / "x.json"], None)

@@ -1,0 +1,192 @@
+"""The server driven by the official `openai` client: sync, async, streaming, concurrency,
+disconnects, bad requests. Small max_tokens throughout: the CPU engine does ~10 tok/s at batch 1."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.conftest import MODEL, Running
+
+PROMPT = "The capital of France is"
+LONG_PROMPT = "Here is a list of the countries of Europe and their capital cities, in alphabetical order: " * 2
+
+
+@pytest.fixture(scope="module")
+def client(server: Running) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+
+
+def metric(server: Running, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def test_models_and_health(server: Running, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_completion_and_cached_tokens(client: openai.OpenAI) -> None:
+    first = client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=3, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=3, temperature=0)
+    assert first.object == "text_completion" and first.choices[0].finish_reason == "length"
+    assert first.usage.completion_tokens == 3
+    assert first.usage.total_tokens == first.usage.prompt_tokens + 3
+    assert again.choices[0].text == first.choices[0].text  # greedy
+    # The second time the prompt's full blocks come from the prefix cache.
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_chat_stop_and_seed(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=8, temperature=0)
+    text = out.choices[0].message.content
+    assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+    stop = text.strip()[1:3] or text[:2]  # some text the greedy answer is sure to contain after its start
+    cut = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].message.content
+    seeded = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=1.0, seed=7)
+              for _ in range(2)]
+    assert seeded[0].choices[0].message.content == seeded[1].choices[0].message.content
+
+
+def test_streaming_matches_non_streaming(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+    pieces = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, stream=True))
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert "".join(p.choices[0].text for p in pieces) == plain.choices[0].text
+    assert pieces[-1].choices[0].finish_reason == "length" and pieces[-1].usage is None
+
+
+def test_64_concurrent_async_requests(server: Running) -> None:
+    async def main() -> list:
+        client = openai.AsyncOpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+        semaphore = asyncio.Semaphore(32)
+
+        async def one(i: int):
+            async with semaphore:
+                return await client.completions.create(
+                    model=MODEL, prompt=f"Request number {i}: the weather today is", max_tokens=4,
+                    temperature=0.8, seed=i, extra_body={"ignore_eos": True})
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await client.close()
+
+    steps0 = server.state.loop.snapshot.stats.num_steps
+    start = time.monotonic()
+    outs = asyncio.run(main())
+    elapsed = time.monotonic() - start
+    assert len({o.id for o in outs}) == 64
+    for out in outs:
+        assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 4
+        assert out.usage.prompt_tokens == out.usage.total_tokens - 4 > 5
+    # Batched continuously: far fewer engine steps than the 64 × (prefill + 4 decodes) of one at a time.
+    steps = server.state.loop.snapshot.stats.num_steps - steps0
+    assert steps < 64 * 2, f"{steps} steps for 64 requests in {elapsed:.1f} s"
+
+
+def wait_idle(server: Running, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snap = server.state.loop.snapshot
+        if snap.num_running == 0 and snap.num_waiting == 0 and snap.kv_usage == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"engine not idle: {server.state.loop.snapshot}")
+
+
+def test_disconnecting_clients_free_their_requests(server: Running) -> None:
+    aborted0 = metric(server, 'tokenmill_requests_finished_total{finish_reason="abort"}')
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.v1}/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert server.state.loop.snapshot.num_running == 1
+    # Known gap: a non-streaming client that gives up is not detected yet (see docs/serve.md).
+    wait_idle(server)
+    assert metric(server, 'tokenmill_requests_finished_total{finish_reason="abort"}') == aborted0 + 1
+
+
+BAD = [  # (body changes, status, param or code)
+    ({"model": "gpt-4o"}, 404, "model_not_found"),
+    ({"temperature": -1}, 400, "temperature"),
+    ({"top_p": 2}, 400, "top_p"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"n": 2}, 400, "n"),
+    ({"n": 0}, 400, "n"),
+    ({"stop": 5}, 400, "stop"),
+    ({"seed": "abc"}, 400, "seed"),
+    ({"prompt": ["one", "two"]}, 400, "prompt"),
+    ({"prompt": ""}, 400, None),
+    ({"prompt": "word " * 600}, 400, "context_length_exceeded"),
+    ({"logprobs": 3}, 400, "logprobs"),
+    ({"model": None}, 400, "model"),
+]
+
+
+@pytest.mark.parametrize(("change", "status", "what"), BAD)
+def test_bad_completion_requests(server: Running, change: dict, status: int, what: str | None) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, **change}
+    response = httpx.post(f"{server.v1}/completions", json={k: v for k, v in body.items() if v is not None})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if what is not None:
+        assert what in (error["param"], error["code"]), error
+
+
+def test_bad_requests_through_the_client_and_raw(server: Running, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    assert exc.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user"}])
+    json_header = {"content-type": "application/json"}
+    raw = httpx.post(f"{server.v1}/chat/completions", content=b'{"model": ', headers=json_header)
+    assert raw.status_code == 400 and raw.json()["error"]["code"] == "invalid_json"
+    assert httpx.get(f"{server.v1}/nowhere").json()["error"]["type"] == "not_found_error"
+    # None of it hurt the server.
+    ok = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_no_api_key_needed_when_none_is_set(server: Running) -> None:
+    assert httpx.get(f"{server.v1}/models").status_code == 200
+    assert httpx.get(f"{server.v1}/models", headers={"Authorization": "Bearer anything"}).status_code == 200
+
+
+def test_metrics(server: Running) -> None:
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("tokenmill_num_requests_running", "tokenmill_num_requests_waiting", "tokenmill_kv_cache_usage_ratio",
+                 "tokenmill_prefix_cache_queries_total", "tokenmill_prefix_cache_hits_total",
+                 "tokenmill_prompt_tokens_total", "tokenmill_generation_tokens_total",
+                 "tokenmill_num_preemptions_total"):
+        assert re.search(rf"^{name} ", text, re.MULTILINE), name
+    for histogram in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+        assert metric(server, f"tokenmill_{histogram}_seconds_count") > 0
+    assert metric(server, "tokenmill_prefix_cache_hits_total") > 0

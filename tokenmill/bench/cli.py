@@ -1,0 +1,147 @@
+"""`tokenmill bench` arguments and entry point (wired into `tokenmill.cli` like `plan`/`run`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from tokenmill.bench.runner import SweepConfig, run_sweep
+from tokenmill.bench.workloads import DISTRIBUTIONS, LengthSpec, Workload
+
+# The protocol of the published batch-throughput study (docs/bench.md, batch-study.md).
+PRESETS: dict[str, dict[str, Any]] = {
+    "seed-batch": {"batch_sizes": "1,8,32,64", "input_len": 2048, "output_len": 512, "runs": 3},
+}
+DEFAULTS: dict[str, Any] = {"batch_sizes": "1,8,32", "input_len": 128, "output_len": 32, "runs": 3}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("mode", nargs="?", choices=["run", "compare"], default="run",
+                   help="run a sweep (default) or compare bench JSON files")
+    p.add_argument("files", nargs="*", type=Path, help="compare: bench JSON files")
+    t = p.add_argument_group("target")
+    t.add_argument("--model", help="embedded engine: GGUF, HF folder or hub id (default: embedded SmolLM2)")
+    t.add_argument("--endpoint", help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
+    t.add_argument("--endpoint-model", help="model name to send (default: the first of /v1/models)")
+    t.add_argument("--api-key", help="bearer token for the endpoint")
+    t.add_argument("--tokenizer", help="tokenizer for building endpoint prompts (HF id/folder or .gguf; "
+                   "default: the embedded model's)")
+    t.add_argument("--plain-openai", action="store_true",
+                   help="endpoint: do not send min_tokens / ignore_eos (strict OpenAI servers)")
+    t.add_argument("--max-model-len", type=int, help="embedded: context length")
+    t.add_argument("--max-num-batched-tokens", type=int, help="embedded: token budget per step")
+    t.add_argument("--num-threads", type=int, help="embedded: torch CPU threads")
+    w = p.add_argument_group("workload")
+    w.add_argument("--preset", choices=sorted(PRESETS), help="seed-batch: batch 1,8,32,64, 2048 in / 512 out, 3 runs")
+    w.add_argument("--input-len", type=int, help=f"input tokens (mean for distributions; {DEFAULTS['input_len']})")
+    w.add_argument("--output-len", type=int, help=f"output tokens, enforced ({DEFAULTS['output_len']})")
+    w.add_argument("--input-dist", choices=DISTRIBUTIONS, default="fixed")
+    w.add_argument("--output-dist", choices=DISTRIBUTIONS, default="fixed")
+    w.add_argument("--input-spread", type=float, default=0.5, help="uniform: +/- fraction; lognormal: sigma")
+    w.add_argument("--output-spread", type=float, default=0.5)
+    w.add_argument("--prefix-len", type=int, default=0, help="shared-prefix workload: prefix tokens")
+    w.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix workload: distinct prefixes")
+    w.add_argument("--prompts", type=Path, help="JSONL of real prompts (prompt / messages / prompt_token_ids)")
+    s = p.add_argument_group("sweep")
+    s.add_argument("--batch-sizes", help=f"comma-separated ({DEFAULTS['batch_sizes']})")
+    s.add_argument("--runs", type=int, help=f"runs per batch size, median reported ({DEFAULTS['runs']})")
+    s.add_argument("--num-requests", type=int, help="requests per run (default: the batch size)")
+    s.add_argument("--warmup", type=int, default=2, help="warm-up requests, not counted (2)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--price-per-hour", help="$ per hour, or a hardware name from the planner's catalog")
+    s.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (bench-results/)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.mode == "compare":
+        from tokenmill.bench.compare import run_compare
+
+        print(run_compare(args.files, args.out))
+        return 0
+    if args.files:
+        raise ValueError(f"bench: unexpected arguments {[str(f) for f in args.files]} (did you mean compare?)")
+    workload, cfg = resolve(args)
+    target = build_target(args, max(cfg.batch_sizes))
+    result = run_sweep(target, workload, cfg, log=lambda m: print(m, file=sys.stderr))
+    from tokenmill.bench.report import terminal, to_json, write_all
+
+    paths = write_all(result, args.out)
+    terminal(to_json(result))
+    print("wrote " + " · ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _pick(args: argparse.Namespace, name: str) -> Any:
+    explicit = getattr(args, name)
+    if explicit is not None:
+        return explicit
+    return PRESETS.get(args.preset or "", {}).get(name, DEFAULTS[name])
+
+
+def resolve(args: argparse.Namespace) -> tuple[Workload, SweepConfig]:
+    try:
+        batches = [int(b) for b in str(_pick(args, "batch_sizes")).split(",") if b.strip()]
+    except ValueError:
+        raise ValueError(f"batch-sizes: expected integers like 1,8,32, got {args.batch_sizes!r}") from None
+    inp = LengthSpec(_pick(args, "input_len"), args.input_dist, args.input_spread)
+    out = LengthSpec(_pick(args, "output_len"), args.output_dist, args.output_spread)
+    name = "jsonl" if args.prompts else "shared-prefix" if args.prefix_len else (
+        "fixed" if inp.dist == out.dist == "fixed" else "distribution")
+    if args.prefix_len and args.prefix_len >= inp.mean:
+        raise ValueError(f"prefix-len: {args.prefix_len} must be below input-len {inp.mean}")
+    workload = Workload(inp, out, args.prefix_len, args.num_prefixes, args.prompts, args.preset or name)
+    price, source = resolve_price(args.price_per_hour)
+    cfg = SweepConfig(batches, _pick(args, "runs"), args.num_requests, args.warmup, args.seed,
+                      price, source, args.preset)
+    return workload, cfg
+
+
+def resolve_price(value: str | None) -> tuple[float | None, str | None]:
+    """A number of $/hour, or a planner catalog name (its default $/device-hour)."""
+    if value is None:
+        return None, None
+    try:
+        price = float(value)
+    except ValueError:
+        from tokenmill.plan.catalog import CATALOG
+
+        spec = CATALOG.get(value.strip().lower())
+        if spec is None:
+            raise ValueError(f"price-per-hour: {value!r} is neither a number nor a catalog hardware "
+                             f"(known: {', '.join(CATALOG)})") from None
+        return spec.price_per_hour, f"catalog {spec.name}"
+    if price < 0:
+        raise ValueError(f"price-per-hour: must be >= 0, got {price}")
+    return price, "--price-per-hour"
+
+
+def build_target(args: argparse.Namespace, max_batch: int) -> Any:
+    if args.endpoint:
+        from tokenmill.bench.endpoint import EndpointTarget
+
+        return EndpointTarget(args.endpoint, load_tokenizer(args.tokenizer), args.endpoint_model,
+                              args.api_key, args.plain_openai)
+    from tokenmill import LLM
+    from tokenmill.bench.embedded import EmbeddedTarget
+    from tokenmill.models.loader import default_model_path
+
+    config = {k: v for k, v in (("max_model_len", args.max_model_len),
+                                ("max_num_batched_tokens", args.max_num_batched_tokens),
+                                ("num_threads", args.num_threads)) if v}
+    llm = LLM(args.model, max_num_seqs=max_batch, **config)
+    name = args.model or f"{default_model_path().stem} (embedded)"
+    return EmbeddedTarget(llm, name)
+
+
+def load_tokenizer(source: str | None) -> Any:
+    from tokenmill.models.loader import _cached_gguf_tokenizer, _load_tokenizer, default_model_path
+
+    if source is None or source.endswith(".gguf"):
+        tok = _cached_gguf_tokenizer(Path(source) if source else default_model_path())
+    else:
+        tok = _load_tokenizer(source)
+    if tok is None:
+        raise ValueError(f"tokenizer: could not load one from {source or 'the embedded model'}")
+    return tok

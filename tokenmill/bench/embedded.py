@@ -1,0 +1,86 @@
+"""The embedded engine as a bench target, driven step by step in this process.
+
+Batch size B sets `max_num_seqs` (the running batch) and the offered load: every request of a
+run is added at once, so the engine always has B to run while any wait. A timestamp is taken
+each time a request's output grows, which gives TTFT and every inter-token gap.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tokenmill.bench.metrics import RequestRecord
+from tokenmill.bench.workloads import Request
+
+
+@dataclass
+class RunOutcome:
+    records: list[RequestRecord]
+    wall_s: float
+    peak_kv_usage: float | None = None
+    preemptions: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class EmbeddedTarget:
+    kind = "embedded"
+
+    def __init__(self, llm: Any, model_name: str) -> None:
+        self.llm = llm
+        self.engine = llm.engine
+        self.label = model_name
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def describe(self) -> dict[str, Any]:
+        settings = asdict(self.engine.config)
+        settings["max_model_len_resolved"] = self.engine.max_model_len
+        settings["num_kv_blocks"] = self.engine.block_manager.num_blocks
+        return {"kind": self.kind, "model": self.label, "engine": settings}
+
+    def run(self, requests: list[Request], batch_size: int) -> RunOutcome:
+        from tokenmill import SamplingParams
+
+        engine = self.engine
+        engine.config.max_num_seqs = batch_size  # read by the scheduler at every step
+        stats = engine.scheduler.stats
+        pre0, prefill0, decode0 = stats.num_preemptions, stats.prefill_tokens, stats.decode_tokens
+        t0 = time.monotonic()
+        records: dict[str, RequestRecord] = {}
+        for i, req in enumerate(requests):
+            params = SamplingParams(max_tokens=req.output_len, min_tokens=req.output_len,
+                                    ignore_eos=True, temperature=0.0)
+            rid = engine.add_request({"prompt_token_ids": req.prompt_token_ids}, params,
+                                     request_id=f"bench-{t0:.6f}-{i}")
+            records[rid] = RequestRecord(rid, req.input_len, req.output_len, 0, 0, 0,
+                                         time.monotonic() - t0, None, None)
+        peak_kv = 0.0
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            now = time.monotonic() - t0
+            peak_kv = max(peak_kv, engine.scheduler.metrics().kv_usage)
+            for out in outputs:
+                _update(records[out.request_id], out, now)
+        wall = time.monotonic() - t0
+        extra = {"engine_prefill_tokens": stats.prefill_tokens - prefill0,
+                 "engine_decode_tokens": stats.decode_tokens - decode0}
+        return RunOutcome(list(records.values()), wall, peak_kv, stats.num_preemptions - pre0, extra)
+
+
+def _update(rec: RequestRecord, out: Any, now: float) -> None:
+    """Record one step's progress; a step adds at most one token per request."""
+    while len(rec.token_times) < out.num_output_tokens:
+        rec.token_times.append(now)
+    if rec.first_token is None and out.num_output_tokens:
+        rec.first_token = now
+    rec.input_tokens = out.num_prompt_tokens
+    rec.output_tokens = out.num_output_tokens
+    rec.cached_tokens = out.num_cached_tokens
+    if out.finished:
+        rec.end = now
+        if out.finish_reason == "abort":
+            rec.error = "aborted"

@@ -1,0 +1,166 @@
+"""The bridge between OpenAI request bodies and the shared engine loop.
+
+`ServingBackend` is the job runner's embedded backend (same body validation, prompt building and
+response bodies, so a live request and a batch line give the same answer) whose `run` submits to
+the server's `EngineLoop` instead of owning the engine. Live requests use `prepare` + `submit`;
+the Batch API hands it to `run_job` like any other backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import TemplateError
+
+from tokenmill.engine.llm import LLM
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.sequence import Sequence
+from tokenmill.jobs.embedded import EmbeddedBackend, sampling_params
+from tokenmill.jobs.runner import BackendStats, ResultSink, StopFlag
+from tokenmill.jobs.spec import BatchRequest
+from tokenmill.serve.engine_loop import EngineLoop
+
+LIVE_PRIORITY, BATCH_PRIORITY = 0, 1  # under the "priority" policy live traffic goes first
+
+
+@dataclass
+class Prepared:
+    request: BatchRequest
+    seq: Sequence
+
+
+class ServingBackend(EmbeddedBackend):
+    kind = "serve"
+
+    def __init__(self, llm: LLM, loop: EngineLoop, model: str, *, batch_id: str = "", endpoint: str = "") -> None:
+        """`batch_id`, `endpoint`: set for a Batch API job (its lines must all use that endpoint)."""
+        super().__init__(llm=llm)
+        self.model, self.loop = model, loop
+        self.batch_id, self.endpoint = batch_id, endpoint
+        self.window = llm.engine.config.max_num_seqs  # batch requests in the engine at once: a full batch
+
+    def check(self, request: BatchRequest) -> None:
+        if self.endpoint and request.url != self.endpoint:
+            raise ValueError(f"url {request.url!r} differs from the batch's endpoint {self.endpoint!r}")
+        model = request.body.get("model")
+        if model is not None and model != self.model:
+            raise ValueError(f"body.model {model!r} is not served here (this server serves {self.model!r})")
+        super().check(request)
+
+    # ---- one request ----------------------------------------------------------------------------
+    def prepare(self, request: BatchRequest, priority: int = LIVE_PRIORITY) -> Prepared:
+        """Validate and tokenize; raises ValueError (a 400) naming the problem. Touches no engine state."""
+        self.check(request)
+        params = sampling_params(request.body)
+        if params.seed is None:  # drawn here: the engine's own seed generator belongs to its thread
+            params.seed = random.getrandbits(62)
+        try:
+            prompt = self._prompt(request)
+        except (TemplateError, TypeError) as exc:
+            raise ValueError(f"cannot build the prompt: {exc}") from None
+        seq = self.loop.engine.make_sequence(prompt, params, request.custom_id, priority)
+        return Prepared(request, seq)
+
+    def response_body(self, prepared: Prepared, out: RequestOutput) -> dict[str, Any]:
+        return self._response_body(prepared.request, out)
+
+    async def stream(self, prepared: Prepared) -> RequestStream:
+        stream = RequestStream(self.loop, prepared.seq.request_id, asyncio.get_running_loop())
+        self.loop.add(prepared.seq, stream.push)
+        return stream
+
+    # ---- the Batch API: the job runner's backend interface ----------------------------------------
+    def start(self) -> None:
+        """Nothing to load: the engine is the server's."""
+
+    def run(self, requests: Iterator[BatchRequest], sink: ResultSink, stop: StopFlag) -> BackendStats:
+        done: queue.Queue[tuple[BatchRequest, RequestOutput | Exception]] = queue.Queue()
+        inflight: dict[str, BatchRequest] = {}
+        exhausted = False
+        while True:
+            if stop.requested:  # cancel or shutdown: unfinished lines stay unwritten, so a re-run does them
+                for request_id in inflight:
+                    self.loop.abort(request_id)
+                break
+            while not exhausted and len(inflight) < self.window:
+                request = next(requests, None)
+                exhausted = request is None
+                if request is not None:
+                    self._submit(request, inflight, done, sink)
+            if not inflight:
+                break
+            try:
+                request, out = done.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            inflight.pop(self._request_id(request), None)
+            if isinstance(out, Exception):
+                sink.error(request, "server_error", f"engine failure: {out}")
+            elif out.finish_reason != "abort":
+                sink.result(request, self._response_body(request, out))
+        return BackendStats()  # the engine is shared: per-job prefill/decode times mean nothing here
+
+    def _submit(self, request: BatchRequest, inflight: dict[str, BatchRequest], done: queue.Queue,
+                sink: ResultSink) -> None:
+        request_id = self._request_id(request)
+        keyed = BatchRequest(request.line, request_id, request.url, request.body)
+        try:
+            prepared = self.prepare(keyed, BATCH_PRIORITY)
+        except ValueError as exc:  # e.g. longer than the context: final, like the embedded backend
+            sink.error(request, "invalid_request", str(exc))
+            return
+
+        def finished(out: RequestOutput | Exception) -> None:
+            if isinstance(out, Exception) or out.finished:
+                done.put((request, out))
+
+        inflight[request_id] = request
+        self.loop.add(prepared.seq, finished)
+
+    def _request_id(self, request: BatchRequest) -> str:
+        return f"{self.batch_id}:{request.custom_id}"
+
+
+class RequestStream:
+    """One live request's outputs on the event loop. Only the latest output matters (its `text`
+    is the whole text so far), so pushes coalesce and a slow reader never builds a backlog."""
+
+    def __init__(self, loop: EngineLoop, request_id: str, aio: asyncio.AbstractEventLoop) -> None:
+        self._loop, self.request_id, self._aio = loop, request_id, aio
+        self._latest: RequestOutput | Exception | None = None
+        self._event = asyncio.Event()
+        self.finished = False
+
+    def push(self, out: RequestOutput | Exception) -> None:  # engine thread
+        self._aio.call_soon_threadsafe(self._set, out)
+
+    def _set(self, out: RequestOutput | Exception) -> None:
+        self._latest = out
+        self._event.set()
+
+    async def next(self, timeout: float) -> RequestOutput | None:
+        """The newest output, or None after `timeout` s without one (to check the client is there)."""
+        try:
+            await asyncio.wait_for(self._event.wait(), timeout)
+        except TimeoutError:
+            return None
+        self._event.clear()
+        out, self._latest = self._latest, None
+        if isinstance(out, Exception):
+            self.finished = True
+            raise out
+        assert out is not None
+        self.finished = out.finished
+        return out
+
+    def abort(self) -> None:
+        """Free the request's KV blocks unless it already finished (a client went away)."""
+        if not self.finished:
+            self.finished = True
+            self._loop.abort(self.request_id)
+

@@ -1,0 +1,247 @@
+"""The Batch API: files and batches kept on disk, each batch run by the job runner (`run_job`)
+on the server's engine loop, so it is validated, written and resumed exactly like `tokenmill run`.
+
+Layout under the state directory:
+  files/<file_id>.json         the file object (+ where its bytes are)
+  files/<file_id>.jsonl        uploaded bytes
+  batches/<batch_id>.json      the batch object, rewritten atomically at every status change
+  batches/<batch_id>/          the job's output folder: results.jsonl, errors.jsonl, job.json, summary.json
+
+A batch that was validating / in_progress / finalizing when the server stopped is run again at
+start-up; the job runner skips every line that already has a result.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from tokenmill.jobs.output import JobError, new_id, write_json_atomic
+from tokenmill.jobs.runner import JobConfig, StopFlag, run_job
+from tokenmill.jobs.spec import SUPPORTED_URLS, DocumentOptions, read_input
+from tokenmill.serve.backend import ServingBackend
+from tokenmill.serve.errors import APIError, bad_request
+
+log = logging.getLogger(__name__)
+
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+COMPLETION_WINDOW_S = 24 * 3600
+
+
+class FileStore:
+    def __init__(self, root: Path) -> None:
+        self.root = root / "files"
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def create(self, data: bytes, filename: str, purpose: str, path: Path | None = None) -> dict[str, Any]:
+        """Store uploaded bytes, or register a file the server wrote (`path`, e.g. a batch's results)."""
+        file_id = new_id("file-")
+        if path is None:
+            path = self.root / f"{file_id}.jsonl"
+            path.write_bytes(data)
+        obj = {"id": file_id, "object": "file", "bytes": path.stat().st_size, "created_at": int(time.time()),
+               "filename": filename, "purpose": purpose, "status": "processed", "_path": str(path)}
+        write_json_atomic(self.root / f"{file_id}.json", obj)
+        return obj
+
+    def get(self, file_id: str) -> dict[str, Any]:
+        meta = self.root / f"{Path(file_id).name}.json"  # .name: an id is never a path
+        if not meta.is_file():
+            raise APIError(404, f"No such File object: {file_id}", param="file_id", code="file_not_found")
+        return json.loads(meta.read_text())
+
+    def path(self, file_id: str) -> Path:
+        return Path(self.get(file_id)["_path"])
+
+
+def public(obj: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if not k.startswith("_")}
+
+
+class BatchManager:
+    """Batches run one at a time, in creation order, on a worker thread."""
+
+    def __init__(self, root: Path, files: FileStore, make_backend: Callable[[str, str], ServingBackend]) -> None:
+        self.root = root / "batches"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.files, self._make_backend = files, make_backend
+        self._lock = threading.RLock()  # status changes come from the worker and from cancel
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._stops: dict[str, StopFlag] = {}  # the running batch's stop flag
+        self._shutdown = False
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        for obj in sorted(self._all(), key=lambda b: b["created_at"]):
+            if obj["status"] == "cancelling":
+                self._update(obj["id"], status="cancelled", cancelled_at=int(time.time()))
+            elif obj["status"] in ACTIVE:
+                log.info("resuming batch %s (%s)", obj["id"], obj["status"])
+                self._queue.put(obj["id"])
+        self._thread = threading.Thread(target=self._work, name="tokenmill-batches", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop like a crash would: unfinished batches stay active on disk and resume at next start."""
+        self._shutdown = True
+        for stop in list(self._stops.values()):
+            stop.request()
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    # ---- the API ----------------------------------------------------------------------------------
+    def create(self, input_file_id: str, endpoint: str, completion_window: str,
+               metadata: dict[str, str] | None) -> dict[str, Any]:
+        if endpoint not in SUPPORTED_URLS:
+            raise bad_request(f"endpoint must be one of {list(SUPPORTED_URLS)}, got {endpoint!r}", param="endpoint")
+        if completion_window != "24h":
+            raise bad_request(f"completion_window must be '24h', got {completion_window!r}",
+                              param="completion_window")
+        file = self.files.get(input_file_id)
+        if file["purpose"] != "batch":
+            raise bad_request(f"file {input_file_id} has purpose {file['purpose']!r}, not 'batch'",
+                              param="input_file_id")
+        now = int(time.time())
+        obj = {"id": new_id("batch_"), "object": "batch", "endpoint": endpoint, "errors": None,
+               "input_file_id": input_file_id, "completion_window": completion_window, "status": "validating",
+               "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
+               "expires_at": now + COMPLETION_WINDOW_S, "finalizing_at": None, "completed_at": None,
+               "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+               "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
+        self._save(obj)
+        self._queue.put(obj["id"])
+        return obj
+
+    def get(self, batch_id: str) -> dict[str, Any]:
+        path = self.root / f"{Path(batch_id).name}.json"
+        if not path.is_file():
+            raise APIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="batch_not_found")
+        obj = json.loads(path.read_text())
+        if obj["status"] in ("in_progress", "cancelling"):  # live counts, straight from the output files
+            counts = obj["request_counts"]
+            counts["completed"], counts["failed"] = self._count_rows(batch_id)
+        return obj
+
+    def list(self, limit: int, after: str | None) -> dict[str, Any]:
+        batches = sorted(self._all(), key=lambda b: (b["created_at"], b["id"]), reverse=True)
+        if after:
+            ids = [b["id"] for b in batches]
+            batches = batches[ids.index(after) + 1:] if after in ids else []
+        page = [self.get(b["id"]) for b in batches[:limit]]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(batches) > limit}
+
+    def cancel(self, batch_id: str) -> dict[str, Any]:
+        with self._lock:
+            obj = self.get(batch_id)
+            if obj["status"] not in ("validating", "in_progress"):
+                raise APIError(409, f"cannot cancel a batch that is {obj['status']}", param="batch_id")
+            obj = self._update(batch_id, status="cancelling", cancelling_at=int(time.time()))
+            stop = self._stops.get(batch_id)
+        if stop is not None:
+            stop.request()
+        return obj
+
+    # ---- the worker -------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while (batch_id := self._queue.get()) is not None:
+            if self._shutdown:
+                return
+            try:
+                self._run(batch_id)
+            except Exception as exc:  # a bug must fail the batch, not the worker
+                log.exception("batch %s failed", batch_id)
+                self._fail(batch_id, "server_error", f"{type(exc).__name__}: {exc}")
+
+    def _run(self, batch_id: str) -> None:
+        obj = self.get(batch_id)
+        if obj["status"] == "cancelling":
+            self._update(batch_id, status="cancelled", cancelled_at=int(time.time()))
+            return
+        backend = self._make_backend(batch_id, obj["endpoint"])
+        input_path = self.files.path(obj["input_file_id"])
+        try:
+            spec = read_input(input_path, DocumentOptions(), "batch", backend.check)
+        except (OSError, ValueError) as exc:
+            self._fail(batch_id, "invalid_file", str(exc))
+            return
+        if not spec.entries:
+            reasons = "; ".join(e.message for e in spec.errors[:5]) or "the file has no requests"
+            self._fail(batch_id, "invalid_file", f"no valid request in the input file: {reasons}")
+            return
+        counts = {"total": spec.num_lines, "completed": 0, "failed": 0}
+        stop = StopFlag()
+        with self._lock:  # a cancel that came in while validating wins
+            if self.get(batch_id)["status"] == "cancelling":
+                stop.request()
+            else:
+                self._update(batch_id, status="in_progress", request_counts=counts,
+                             in_progress_at=obj["in_progress_at"] or int(time.time()))
+            self._stops[batch_id] = stop
+        try:
+            self._run_job(batch_id, input_path, backend, stop)
+        finally:
+            del self._stops[batch_id]
+        if not self._shutdown:
+            self._finalize(batch_id)
+
+    def _run_job(self, batch_id: str, input_path: Path, backend: ServingBackend, stop: StopFlag) -> None:
+        config = JobConfig(input=input_path, output=self.root / batch_id, input_format="batch", progress=False)
+        try:
+            run_job(config, backend, console=Console(quiet=True), stop=stop)
+        except JobError as exc:
+            self._fail(batch_id, "invalid_file", str(exc))
+
+    def _finalize(self, batch_id: str) -> None:
+        obj = self.get(batch_id)
+        if obj["status"] == "failed":
+            return
+        cancelled = obj["status"] == "cancelling"
+        if not cancelled:
+            obj = self._update(batch_id, status="finalizing", finalizing_at=int(time.time()))
+        out_dir = self.root / batch_id
+        completed, failed = self._count_rows(batch_id)
+        ids = {}
+        outputs = (("output_file_id", "results.jsonl", completed), ("error_file_id", "errors.jsonl", failed))
+        for key, name, rows in outputs:
+            if rows:
+                ids[key] = self.files.create(b"", f"{batch_id}_{name}", "batch_output", out_dir / name)["id"]
+        counts = {**obj["request_counts"], "completed": completed, "failed": failed}
+        now = int(time.time())
+        final = ({"status": "cancelled", "cancelled_at": now} if cancelled
+                 else {"status": "completed", "completed_at": now})
+        self._update(batch_id, request_counts=counts, **ids, **final)
+
+    # ---- storage ----------------------------------------------------------------------------------
+    def _fail(self, batch_id: str, code: str, message: str) -> None:
+        errors = {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}
+        self._update(batch_id, status="failed", failed_at=int(time.time()), errors=errors)
+
+    def _count_rows(self, batch_id: str) -> tuple[int, int]:
+        def rows(name: str) -> int:
+            path = self.root / batch_id / name
+            return path.read_bytes().count(b"\n") if path.exists() else 0
+        return rows("results.jsonl"), rows("errors.jsonl")
+
+    def _update(self, batch_id: str, **fields: Any) -> dict[str, Any]:
+        with self._lock:
+            path = self.root / f"{batch_id}.json"
+            obj = {**json.loads(path.read_text()), **fields}
+            self._save(obj)
+            return obj
+
+    def _save(self, obj: dict[str, Any]) -> None:
+        write_json_atomic(self.root / f"{obj['id']}.json", obj)
+
+    def _all(self) -> list[dict[str, Any]]:
+        return [json.loads(p.read_text()) for p in self.root.glob("*.json")]

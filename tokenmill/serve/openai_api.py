@@ -1,0 +1,191 @@
+"""`/v1/completions` and `/v1/chat/completions`: OpenAI bodies in, engine outputs back as JSON
+or server-sent events. Validation, prompts and response bodies are the job runner's (backend.py);
+this module adds what only a live connection has: streaming deltas and client disconnects."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.jobs.output import new_id
+from tokenmill.jobs.spec import CHAT_URL, COMPLETIONS_URL, BatchRequest
+from tokenmill.serve.backend import Prepared, RequestStream
+from tokenmill.serve.errors import APIError, bad_request, from_value_error
+
+if TYPE_CHECKING:
+    from tokenmill.serve.app import ServeState
+
+DISCONNECT_POLL_S = 0.5  # how often a request with no new token checks that its client is still there
+CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but the log says what happened
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")  # other fields reach the backend's checks, which refuse
+    # what would change the answer (tools, logprobs, ...) and ignore the rest (user, metadata, ...)
+    model: str
+    max_tokens: int | None = Field(None, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]]
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+IGNORED_FIELDS = {"stream", "stream_options", "n", "user", "metadata", "store", "service_tier"}
+
+
+def router(state: ServeState) -> APIRouter:
+    api = APIRouter()
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request) -> Any:
+        data = body.model_dump(exclude_none=True, exclude=IGNORED_FIELDS)
+        data["prompt"] = _one_prompt(body.prompt)
+        return await _serve(state, request, body, BatchRequest(0, new_id("cmpl-"), COMPLETIONS_URL, data))
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody, request: Request) -> Any:
+        data = body.model_dump(exclude_none=True, exclude=IGNORED_FIELDS)
+        return await _serve(state, request, body, BatchRequest(0, new_id("chatcmpl-"), CHAT_URL, data))
+
+    return api
+
+
+def _one_prompt(prompt: Any) -> Any:
+    """One prompt per request: a string or token ids (a list holding one of them is unwrapped)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request(f"prompt: {len(prompt)} prompts in one request; send one request per prompt",
+                              param="prompt")
+        return prompt[0]
+    return prompt
+
+
+async def _serve(state: ServeState, request: Request, body: _Body, req: BatchRequest) -> Any:
+    state.check_model(body.model)
+    if body.n < 1:
+        raise bad_request(f"n must be >= 1, got {body.n}", param="n")
+    if body.n > 1:
+        raise bad_request(f"n = {body.n} is not supported: send {body.n} requests (with distinct seeds "
+                          "if you want different samples); they are batched together anyway", param="n")
+    try:
+        prepared = state.backend.prepare(req)
+    except ValueError as exc:  # too long for the context, bad sampling values, unsupported fields
+        raise from_value_error(exc) from None
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = _events(state, request, prepared, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    out = await _final_output(request, await state.backend.stream(prepared))
+    if out is None:
+        return StreamingResponse(iter(()), status_code=CLIENT_CLOSED)
+    return {**state.backend.response_body(prepared, out), "id": req.custom_id}
+
+
+async def _final_output(request: Request, stream: RequestStream) -> RequestOutput | None:
+    """The finished output, or None if the client went away (its request is then aborted)."""
+    try:
+        while True:
+            try:
+                out = await stream.next(DISCONNECT_POLL_S)
+            except Exception as exc:
+                raise APIError(500, f"the engine failed on this request: {exc}", type="server_error") from None
+            if out is None and await request.is_disconnected():
+                return None
+            if out is not None and out.finished:
+                return out
+    finally:
+        stream.abort()  # no-op once finished; frees the KV blocks of an abandoned request
+
+
+async def _events(state: ServeState, request: Request, prepared: Prepared, include_usage: bool) -> AsyncIterator[str]:
+    # Submitted here, not in the handler: a client gone before the body starts never costs a token.
+    stream = await state.backend.stream(prepared)
+    chunk = _ChunkMaker(prepared, state.model_name, include_usage)
+    # A stop string is cut from the text once it is complete; hold back the characters that could
+    # be its beginning so that nothing already sent has to be taken back.
+    hold = max((len(s) for s in prepared.seq.params.stop), default=1) - 1
+    sent = 0
+    try:
+        if chunk.chat:
+            yield chunk.sse(chunk.choice({"role": "assistant", "content": ""}))
+        while True:
+            try:
+                out = await stream.next(DISCONNECT_POLL_S)
+            except Exception as exc:
+                yield f"data: {json.dumps(APIError(500, str(exc), type='server_error').body())}\n\n"
+                return
+            if out is None:
+                if await request.is_disconnected():
+                    return
+                continue
+            end = len(out.text) if out.finished else max(sent, len(out.text) - hold)
+            if end > sent:
+                yield chunk.sse(chunk.choice(out.text[sent:end]))
+                sent = end
+            if out.finished:
+                yield chunk.sse(chunk.choice("", out.finish_reason))
+                break
+        if include_usage:
+            yield chunk.sse({"choices": [], "usage": usage(out)})
+        yield "data: [DONE]\n\n"
+    finally:  # also on cancellation when the client disconnects mid-stream
+        stream.abort()
+
+
+class _ChunkMaker:
+    def __init__(self, prepared: Prepared, model: str, include_usage: bool) -> None:
+        self.chat = prepared.request.url == CHAT_URL
+        self.base = {"id": prepared.request.custom_id,
+                     "object": "chat.completion.chunk" if self.chat else "text_completion",
+                     "created": int(time.time()), "model": model}
+        if include_usage:
+            self.base["usage"] = None  # OpenAI: null on every chunk but the last
+
+    def choice(self, delta: str | dict[str, str], finish_reason: str | None = None) -> dict[str, Any]:
+        if self.chat:
+            content = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
+            item = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            item = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"choices": [item]}
+
+    def sse(self, fields: dict[str, Any]) -> str:
+        return f"data: {json.dumps({**self.base, **fields}, ensure_ascii=False)}\n\n"
+
+
+def usage(out: RequestOutput) -> dict[str, Any]:
+    return {
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": out.num_output_tokens,
+        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+    }
