@@ -3,35 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from pathlib import Path
+
+_SUBCOMMANDS = {
+    "plan": "predict throughput, batch limits and cost on hardware",
+    "run": "run a batch job: JSONL in, OpenAI batch output out, resumable",
+    "serve": "an OpenAI-compatible server (completions, chat, Batch API, metrics)",
+    "bench": "benchmark throughput, latency and cost (`bench compare` files)",
+}
+_PACKAGES = {"run": "jobs"}  # subcommand -> package, where the names differ
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenmill", description="Throughput-first batch LLM inference")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_generate(commands.add_parser("generate", help="generate for a few prompts and report speed"))
-    plan = commands.add_parser("plan", help="predict throughput, batch limits and cost on hardware")
-    from tokenmill.plan import cli as plan_cli
-
-    plan_cli.add_arguments(plan)
-    plan.set_defaults(handler=plan_cli.run)
-    run = commands.add_parser("run", help="run a batch job: JSONL in, OpenAI batch output out, resumable")
-    from tokenmill.jobs import cli as jobs_cli
-
-    jobs_cli.add_arguments(run)
-    run.set_defaults(handler=jobs_cli.run)
-    serve = commands.add_parser("serve", help="an OpenAI-compatible server (completions, chat, Batch API, metrics)")
-    from tokenmill.serve import cli as serve_cli
-
-    serve_cli.add_arguments(serve)
-    serve.set_defaults(handler=serve_cli.run)
-    bench = commands.add_parser("bench", help="benchmark throughput, latency and cost (`bench compare` files)")
-    from tokenmill.bench import cli as bench_cli
-
-    bench_cli.add_arguments(bench)
-    bench.set_defaults(handler=bench_cli.run)
+    for name, help_text in _SUBCOMMANDS.items():
+        # Each role's package owns its arguments; imported here so the CLI stays thin.
+        module = importlib.import_module(f"tokenmill.{_PACKAGES.get(name, name)}.cli")
+        sub = commands.add_parser(name, help=help_text)
+        module.add_arguments(sub)
+        sub.set_defaults(handler=module.run)
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args))
