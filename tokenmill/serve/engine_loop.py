@@ -98,6 +98,9 @@ class EngineLoop:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
+                # An abort frees KV blocks now, and an engine left idle by it steps no more: without
+                # this snapshot /metrics would show the aborted request running until the next step.
+                self._snapshot()
                 return True
 
     def _add(self, seq: Sequence, on_output: OutputCallback) -> None:
@@ -123,7 +126,8 @@ class EngineLoop:
                 self._tracked.pop(request_id)
                 self.engine.abort_request(request_id)
                 tracked.on_output(exc)
-            return
+            outputs = []
+        self._snapshot()  # before the outputs go out: what a client has seen, /metrics already shows
         now = time.monotonic()
         for out in outputs:
             tracked = self._tracked.get(out.request_id)
@@ -134,7 +138,6 @@ class EngineLoop:
                 del self._tracked[out.request_id]
                 self._finished(out)
             tracked.on_output(out)
-        self._snapshot()
 
     def _observe_token(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
         m = self.metrics

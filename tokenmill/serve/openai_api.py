@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.types import Receive, Scope, Send
 
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.jobs.output import new_id
@@ -22,7 +23,7 @@ from tokenmill.serve.errors import APIError, bad_request, from_value_error
 if TYPE_CHECKING:
     from tokenmill.serve.app import ServeState
 
-DISCONNECT_POLL_S = 0.5  # how often a request with no new token checks that its client is still there
+DISCONNECT_POLL_S = 0.5  # how often a live request checks that its client is still there
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but the log says what happened
 
 
@@ -102,33 +103,53 @@ async def _serve(state: ServeState, request: Request, body: _Body, req: BatchReq
         raise from_value_error(exc) from None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _events(state, request, prepared, include_usage)
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return _EventStream(_events(state, request, prepared, include_usage))
     out = await _final_output(request, await state.backend.stream(prepared))
     if out is None:
         return StreamingResponse(iter(()), status_code=CLIENT_CLOSED)
     return {**state.backend.response_body(prepared, out), "id": req.custom_id}
 
 
+class _Client:
+    """Whether the HTTP client has gone away, asked at most every DISCONNECT_POLL_S.
+
+    Asked on a clock, not when no token came: a generating request gets a token every step, so
+    waiting for a quiet moment never asked at all and an abandoned request ran to the end. Nothing
+    else tells a non-streaming handler: uvicorn neither cancels it nor fails its sends."""
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+        self._next_check = time.monotonic() + DISCONNECT_POLL_S
+
+    async def gone(self) -> bool:
+        if time.monotonic() < self._next_check:
+            return False
+        self._next_check = time.monotonic() + DISCONNECT_POLL_S
+        return await self._request.is_disconnected()
+
+
 async def _final_output(request: Request, stream: RequestStream) -> RequestOutput | None:
     """The finished output, or None if the client went away (its request is then aborted)."""
+    client = _Client(request)
     try:
         while True:
             try:
                 out = await stream.next(DISCONNECT_POLL_S)
             except Exception as exc:
                 raise APIError(500, f"the engine failed on this request: {exc}", type="server_error") from None
-            if out is None and await request.is_disconnected():
-                return None
             if out is not None and out.finished:
                 return out
+            if await client.gone():
+                return None
     finally:
         stream.abort()  # no-op once finished; frees the KV blocks of an abandoned request
 
 
-async def _events(state: ServeState, request: Request, prepared: Prepared, include_usage: bool) -> AsyncIterator[str]:
+async def _events(state: ServeState, request: Request, prepared: Prepared,
+                  include_usage: bool) -> AsyncGenerator[str, None]:
     # Submitted here, not in the handler: a client gone before the body starts never costs a token.
     stream = await state.backend.stream(prepared)
+    client = _Client(request)
     chunk = _ChunkMaker(prepared, state.model_name, include_usage)
     # A stop string is cut from the text once it is complete; hold back the characters that could
     # be its beginning so that nothing already sent has to be taken back.
@@ -143,9 +164,11 @@ async def _events(state: ServeState, request: Request, prepared: Prepared, inclu
             except Exception as exc:
                 yield f"data: {json.dumps(APIError(500, str(exc), type='server_error').body())}\n\n"
                 return
+            # Starlette's disconnect listener usually cancels us first; this covers the servers it
+            # trusts to fail a send instead (ASGI spec 2.4), which uvicorn's silent drops never do.
+            if await client.gone():
+                return
             if out is None:
-                if await request.is_disconnected():
-                    return
                 continue
             end = len(out.text) if out.finished else max(sent, len(out.text) - hold)
             if end > sent:
@@ -157,8 +180,24 @@ async def _events(state: ServeState, request: Request, prepared: Prepared, inclu
         if include_usage:
             yield chunk.sse({"choices": [], "usage": usage(out)})
         yield "data: [DONE]\n\n"
-    finally:  # also on cancellation when the client disconnects mid-stream
+    finally:  # also on cancellation (Starlette's disconnect listener) and on _EventStream's aclose
         stream.abort()
+
+
+class _EventStream(StreamingResponse):
+    """Closes its event generator however the response ends. When the client goes away while the
+    generator is parked at a `yield` (a send in progress), Starlette's cancellation never reaches
+    the generator, and its `finally` (the abort) would wait for garbage collection."""
+
+    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()  # a no-op once the generator has ended
 
 
 class _ChunkMaker:
