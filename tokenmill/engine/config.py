@@ -8,6 +8,7 @@ import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SCHEDULING_POLICIES = ("fcfs", "priority", "length")
+DECODE_ATTENTION = ("auto", "kernel", "sdpa")
 
 
 @dataclass
@@ -34,6 +35,9 @@ class EngineConfig:
     seed: int = 0  # seed for requests that do not bring their own
     num_threads: int | None = None  # torch CPU threads; None = torch's default
     pack_weights: bool = True  # CPU: pre-pack linear weights for oneDNN (much faster small GEMMs)
+    # Decode attention: "kernel" reads the paged cache in place (CPU fp32; compiled on first
+    # use), "sdpa" gathers blocks and calls PyTorch SDPA, "auto" = kernel where it builds.
+    decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
         self._check_positive("max_num_seqs", "max_num_batched_tokens", "block_size")
@@ -56,6 +60,10 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}"
+            )
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(
+                f"EngineConfig.decode_attention must be one of {DECODE_ATTENTION}, got {self.decode_attention!r}"
             )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"EngineConfig.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -18,6 +18,7 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence
+from tokenmill.models import paged_attention
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.llama import CausalLM, fuse_projections
 from tokenmill.models.loader import LoadedWeights, load_weights
@@ -47,7 +48,10 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.eos_token_ids = self._eos_token_ids()
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.eos_token_ids, self.device)
+        self.runner = ModelRunner(
+            model, num_blocks, config.block_size, self.eos_token_ids, self.device,
+            paged_kernel=self._use_paged_kernel(),
+        )
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
@@ -65,6 +69,18 @@ class LLMEngine:
                 f" must be >= max_model_len ({max_len}) or long prompts could never be scheduled"
             )
         return max_len
+
+    def _use_paged_kernel(self) -> bool:
+        choice = self.config.decode_attention
+        if choice == "sdpa":
+            return False
+        usable = paged_attention.supports(self.device, self.config.torch_dtype)
+        if choice == "kernel" and not usable:
+            raise ValueError(
+                "EngineConfig.decode_attention='kernel' needs a CPU, float32 and a C compiler "
+                "(see the log for why it did not build); use 'auto' or 'sdpa'"
+            )
+        return usable
 
     def _num_kv_blocks(self) -> int:
         cfg, bs = self.config, self.config.block_size

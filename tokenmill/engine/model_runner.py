@@ -38,8 +38,11 @@ class ModelRunner:
         block_size: int,
         eos_token_ids: list[int],
         device: torch.device,
+        paged_kernel: bool = False,
     ) -> None:
+        """`paged_kernel`: attend decodes with the paged-attention kernel (CPU fp32 only)."""
         cfg = model.config
+        self.paged_kernel = paged_kernel
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -79,7 +82,9 @@ class ModelRunner:
             slot_mapping.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
             if item.samples:
                 logits_rows.append(len(input_ids) - 1)
-        groups = [self._attention_group(spans) for spans in (decodes, prefills) if spans]
+        groups = [self._attention_group(decodes, paged=self.paged_kernel)] if decodes else []
+        if prefills:
+            groups.append(self._attention_group(prefills, paged=False))
         groups[0].covers_batch = not prefills  # decodes only: one row each, in batch order
         meta = AttentionMetadata(self._tensor(slot_mapping), groups)
         logits = self.model(
@@ -101,7 +106,8 @@ class ModelRunner:
             self._initialised[fresh] = True
         return tables
 
-    def _attention_group(self, spans: list[_Span]) -> AttentionGroup:
+    def _attention_group(self, spans: list[_Span], paged: bool) -> AttentionGroup:
+        """`paged`: decodes read by the paged kernel, which needs no mask."""
         bs = self.block_size
         rows = torch.tensor([s.row for s in spans])
         num_new = torch.tensor([s.num_new for s in spans])
@@ -116,6 +122,15 @@ class ModelRunner:
         for i, s in enumerate(spans):
             used = -(-s.context_len // bs)
             tables[i, :used] = torch.tensor(s.block_table[:used])
+        # Zeroed even when the kernel (which reads only context) attends them: a block first
+        # written on the kernel path may later be gathered by a prefill group.
+        tables = self._initialise(tables).to(self.device)
+        to = self.device
+        if paged:
+            return AttentionGroup(
+                query_index.to(to), query_valid.to(to), tables, ctx.to(to), None,
+                query_index[query_valid].to(to),
+            )
         k_pos = torch.arange(max_blocks * bs)
 
         q_pos = (ctx - num_new)[:, None] + q_off  # absolute position of each query row
@@ -125,8 +140,7 @@ class ModelRunner:
         mask &= query_valid[:, :, None]
         mask[:, :, 0] |= ~query_valid  # padded query rows look at one real key: no NaNs
         mask = mask.repeat(1, self.query_group, 1)[:, None]  # rows ordered (head in group, query)
-        to = self.device
         return AttentionGroup(
-            query_index.to(to), query_valid.to(to), self._initialise(tables).to(to), mask.to(to),
-            query_index[query_valid].to(to),
+            query_index.to(to), query_valid.to(to), tables, ctx.to(to),
+            mask.to(to), query_index[query_valid].to(to),
         )

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.models.config import ModelConfig, rope_inv_freq
+from tokenmill.models.paged_attention import paged_decode_attention
 
 
 @dataclass
@@ -24,7 +25,10 @@ class AttentionGroup:
     query_index: torch.Tensor  # [G, Lq] rows of the flat token batch (padding: any row)
     query_valid: torch.Tensor  # [G, Lq] bool
     context_blocks: torch.Tensor  # [G, NB] block tables (padding: the zeroed null block)
-    mask: torch.Tensor  # [G, 1, group*Lq, NB*block_size] bool, repeated for the query-head group
+    context_lens: torch.Tensor  # [G] keys at positions < len are context
+    # [G, 1, group*Lq, NB*block_size] bool, repeated for the query-head group; None when the
+    # group is decodes attended by the paged kernel, which reads context_lens instead.
+    mask: torch.Tensor | None
     output_rows: torch.Tensor  # query_index[query_valid]
     covers_batch: bool = False  # the group is every row of the batch, in order (pure decode)
 
@@ -62,6 +66,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.group = self.num_heads // self.num_kv_heads
+        self.sliding_window = cfg.sliding_window
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # q, k and v in one GEMM (see fuse_projections): fewer, larger matmuls per step.
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
@@ -94,6 +99,11 @@ class Attention(nn.Module):
     def _attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttentionGroup
     ) -> torch.Tensor:
+        if g.mask is None:  # decodes, straight from the paged cache
+            rows = q if g.covers_batch else q[g.output_rows]
+            return paged_decode_attention(
+                rows, k_cache, v_cache, g.context_blocks, g.context_lens, self.sliding_window
+            )
         n, lq = g.query_index.shape
         kvh, grp, d = self.num_kv_heads, self.group, self.head_dim
         # Fold the query heads that share a KV head into the query length: GQA without

@@ -115,12 +115,16 @@ def _load_gguf(path: Path, tokenizer: str | None) -> LoadedWeights:
     return LoadedWeights(str(path), ModelConfig.from_hf(cfg), state_dict, tok)
 
 
+def cache_root() -> Path:
+    """Where derived files (converted tokenizers, compiled kernels) are kept between runs."""
+    return Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
+
+
 def _cached_gguf_tokenizer(path: Path) -> Any:
     """Converting a GGUF vocabulary to a fast tokenizer takes ~10 s; do it once per file."""
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    cache_root = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
-    cache = cache_root / "tokenizers" / key[:16]
+    cache = cache_root() / "tokenizers" / key[:16]
     if (cache / "tokenizer_config.json").is_file():
         tok = _load_tokenizer(str(cache))
         if tok is not None:
