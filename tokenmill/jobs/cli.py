@@ -6,12 +6,14 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
-from tokenmill.jobs.output import JobError
+from tokenmill.jobs.output import JobError, JobFailed
 from tokenmill.jobs.runner import ORDERS, Backend, JobConfig, run_job
 from tokenmill.jobs.spec import FORMATS, DocumentOptions
 
 API_KEY_ENV = ("TOKENMILL_API_KEY", "OPENAI_API_KEY")
+EXIT_JOB_FAILED = 3  # started, then could not go on (a stalled Ray job); a re-run resumes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,9 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     docs.add_argument("--model", help="embedded: GGUF file, HF folder or hub id (default: embedded SmolLM2); "
                       "with --endpoint: the model name sent in every body")
     ep = parser.add_argument_group("endpoint backend")
-    ep.add_argument("--endpoint", help="base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1")
+    ep.add_argument("--endpoint", action="append",
+                    help="base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1 "
+                    "(with --ray, repeat it to spread batches over several servers)")
     ep.add_argument("--api-key", help=f"bearer token (default: ${API_KEY_ENV[0]} or ${API_KEY_ENV[1]})")
-    ep.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
+    ep.add_argument("--concurrency", type=int, default=16,
+                    help="requests in flight (default 16; with --ray, in all replicas together)")
     ep.add_argument("--timeout", type=float, default=600.0, help="seconds per attempt (default 600)")
     ep.add_argument("--max-attempts", type=int, default=6, help="tries per request (default 6)")
     run = parser.add_argument_group("running")
@@ -44,6 +49,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--overwrite", action="store_true", help="discard existing output files and start over")
     run.add_argument("--price-per-hour", type=float, help="hardware $/hour, for cost per token in the summary")
     run.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    ray = parser.add_argument_group("scaling out on a Ray cluster (pip install 'tokenmill[ray]'; docs/jobs.md)")
+    ray.add_argument("--ray", action="store_true", help="run the job data parallel on Ray, one engine per replica")
+    ray.add_argument("--ray-address", help="auto, ray://HOST:10001, … (default: $RAY_ADDRESS, a cluster "
+                     "started on this machine, else a new local one)")
+    ray.add_argument("--replicas", type=int, default=1, help="Ray actors, each with its own engine (default 1)")
+    ray.add_argument("--cpus-per-replica", type=float, default=1.0, help="default 1 (also its torch threads)")
+    ray.add_argument("--gpus-per-replica", type=float, default=0.0, help="default 0")
+    ray.add_argument("--ray-batch-size", type=int,
+                     help="requests per batch sent to a replica (default 4 × --max-num-seqs, or 4 × its share "
+                     "of --concurrency); the unit re-run when a replica dies")
+    ray.add_argument("--no-progress-timeout", type=float, default=1800.0,
+                     help="fail when no batch finishes for this many seconds (default 1800; keep it above "
+                     "the time one batch takes)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
             price_per_hour=args.price_per_hour, progress=not args.no_progress,
         )
         return run_job(config, _backend(args))
+    except JobFailed as exc:
+        print(f"tokenmill run: {exc}", file=sys.stderr)
+        return EXIT_JOB_FAILED
     except JobError as exc:
         print(f"tokenmill run: {exc}", file=sys.stderr)
         return 2
@@ -68,14 +89,47 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _backend(args: argparse.Namespace) -> Backend:
-    if args.endpoint:
-        from tokenmill.jobs.endpoint import EndpointBackend, RetryPolicy
+    endpoints = args.endpoint or []
+    if len(endpoints) > 1 and not args.ray:
+        raise JobError("several --endpoint need --ray (each replica spreads its batches over them)")
+    ray_only = {"--ray-address": args.ray_address, "--replicas": args.replicas != 1,
+                "--cpus-per-replica": args.cpus_per_replica != 1, "--gpus-per-replica": args.gpus_per_replica,
+                "--ray-batch-size": args.ray_batch_size}
+    if not args.ray and any(ray_only.values()):
+        raise JobError(f"{', '.join(k for k, v in ray_only.items() if v)} need --ray")
+    if not args.ray:
+        return _endpoint(args, endpoints[0], args.concurrency) if endpoints else _embedded(args)
+    from tokenmill.jobs.ray_runner import RayBackend, RayOptions
 
-        api_key = args.api_key or next((os.environ[k] for k in API_KEY_ENV if os.environ.get(k)), None)
-        return EndpointBackend(
-            args.endpoint, api_key=api_key, concurrency=args.concurrency, timeout=args.timeout,
-            retry=RetryPolicy(max_attempts=args.max_attempts), model=args.model,
-        )
+    if endpoints:
+        if args.concurrency < args.replicas:
+            raise JobError(f"--concurrency {args.concurrency} is below --replicas {args.replicas}: "
+                           "each replica needs at least one request in flight")
+        share = args.concurrency // args.replicas  # the global bound: replicas × share <= --concurrency
+        backends: list[Backend] = [_endpoint(args, url, share) for url in endpoints]
+    else:
+        share = args.max_num_seqs
+        # A replica's torch threads = its CPUs, so replicas on one machine do not fight for cores.
+        backends = [_embedded(args, num_threads=max(1, int(args.cpus_per_replica)))]
+    options = RayOptions(
+        address=args.ray_address, replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
+        gpus_per_replica=args.gpus_per_replica, batch_size=args.ray_batch_size or 4 * share,
+        no_progress_timeout_s=args.no_progress_timeout,
+    )
+    return RayBackend(backends, options)
+
+
+def _endpoint(args: argparse.Namespace, url: str, concurrency: int) -> Backend:
+    from tokenmill.jobs.endpoint import EndpointBackend, RetryPolicy
+
+    api_key = args.api_key or next((os.environ[k] for k in API_KEY_ENV if os.environ.get(k)), None)
+    return EndpointBackend(
+        url, api_key=api_key, concurrency=concurrency, timeout=args.timeout,
+        retry=RetryPolicy(max_attempts=args.max_attempts), model=args.model,
+    )
+
+
+def _embedded(args: argparse.Namespace, **engine_config: Any) -> Backend:
     from tokenmill.jobs.embedded import EmbeddedBackend
 
-    return EmbeddedBackend(args.model, max_num_seqs=args.max_num_seqs)
+    return EmbeddedBackend(args.model, max_num_seqs=args.max_num_seqs, **engine_config)

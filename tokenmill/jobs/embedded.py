@@ -8,12 +8,13 @@ pick from, while a million-line file is never tokenized into memory at once.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
 
+from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm import LLM
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
@@ -85,6 +86,20 @@ class EmbeddedBackend:
             prefill_s=timer.prefill_s, decode_s=timer.decode_s,
             num_preemptions=stats.num_preemptions - preemptions0,
         )
+
+    def share_machine(self, share: float) -> None:
+        """Before `start`: this engine runs beside others on one machine (Ray replicas) and gets
+        `share` (0–1] of it, so its KV cache takes that part of the memory-fraction budget instead
+        of each engine taking the whole fraction of the memory free when it starts."""
+        if not any(k in self._engine_config for k in ("kv_cache_bytes", "num_kv_blocks")):
+            fraction = self._engine_config.get("kv_cache_memory_fraction", EngineConfig.kv_cache_memory_fraction)
+            self._engine_config["kv_cache_memory_fraction"] = fraction * min(1.0, share)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Drop these requests from the engine, e.g. after `run` raised half-way through them."""
+        if self._llm is not None:
+            for request_id in request_ids:
+                self._llm.engine.abort_request(request_id)
 
     def _top_up(
         self, requests: Iterator[BatchRequest], inflight: dict[str, tuple[BatchRequest, Sequence]], sink: ResultSink

@@ -20,18 +20,32 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tokenmill.jobs.spec import InputError
 
 INVALID_INPUT = "invalid_input"  # a bad input line (keyed by line number)
+WORKER_ERROR = "worker_error"  # a Ray replica's backend raised on this request (see ray_runner.py)
 # Failures worth another try: recorded, but retried when the job is re-run.
-TRANSIENT_CODES = frozenset({"rate_limited", "server_error", "timeout", "connection_error", "bad_response"})
+TRANSIENT_CODES = frozenset(
+    {"rate_limited", "server_error", "timeout", "connection_error", "bad_response", WORKER_ERROR}
+)
 JOB_VERSION = 1
 
 
 class JobError(ValueError):
     """The job cannot start (or go on) as asked; the message says why and what to do."""
+
+
+class JobFailed(JobError):
+    """The job started but cannot go on (a Ray cluster stopped making progress); the rows written
+    so far are kept, and re-running the same command resumes."""
+
+
+class RowWriter(Protocol):
+    """Where a `ResultSink` puts rows: a `JsonlAppender`, or a list on a Ray replica."""
+
+    def write(self, row: dict[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True)

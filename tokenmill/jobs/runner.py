@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from rich.console import Console
 
 from tokenmill.jobs import output
-from tokenmill.jobs.output import JobError, JsonlAppender, OutputPaths
+from tokenmill.jobs.output import JobError, JsonlAppender, OutputPaths, RowWriter
 from tokenmill.jobs.progress import JobProgress
 from tokenmill.jobs.spec import BatchRequest, DocumentOptions, Entry, InputFile, read_input
 from tokenmill.jobs.summary import Summary, build_summary, print_summary
@@ -60,6 +60,7 @@ class BackendStats:
     decode_s: float | None = None  # time of engine steps that computed any decode token
     num_preemptions: int | None = None
     retries: int | None = None  # endpoint: attempts beyond the first
+    replicas: int | None = None  # --ray: engines (or endpoint clients) the work was spread over
 
 
 class Backend(Protocol):
@@ -107,13 +108,31 @@ def stop_on_signals(stop: StopFlag) -> Iterator[None]:
 class ResultSink:
     """Where backends hand every outcome: one row written (and flushed) per request."""
 
-    def __init__(self, results: JsonlAppender, errors: JsonlAppender, progress: JobProgress | None) -> None:
+    def __init__(self, results: RowWriter, errors: RowWriter, progress: JobProgress | None) -> None:
         self._results, self._errors, self.progress = results, errors, progress
         self.done = self.failed = self.transient = 0
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
 
     def result(self, request: BatchRequest, body: dict[str, Any], request_id: str | None = None) -> None:
         self._results.write(output.result_row(request.custom_id, body, request_id))
+        self._count_result(body)
+
+    def error(
+        self, request: BatchRequest, code: str, message: str, response: dict[str, Any] | None = None
+    ) -> None:
+        self._errors.write(output.error_row(request.custom_id, request.line, code, message, response))
+        self._count_error(code)
+
+    def row(self, row: dict[str, Any]) -> None:
+        """A row already made by `result` / `error` elsewhere (on a Ray replica)."""
+        if row.get("error") is None:
+            self._results.write(row)
+            self._count_result(row["response"]["body"])
+        else:
+            self._errors.write(row)
+            self._count_error(row["error"]["code"])
+
+    def _count_result(self, body: dict[str, Any]) -> None:
         prompt, cached, completion = output.usage_of(body)
         self.done += 1
         self.prompt_tokens += prompt
@@ -122,10 +141,7 @@ class ResultSink:
         if self.progress:
             self.progress.advance(completion)
 
-    def error(
-        self, request: BatchRequest, code: str, message: str, response: dict[str, Any] | None = None
-    ) -> None:
-        self._errors.write(output.error_row(request.custom_id, request.line, code, message, response))
+    def _count_error(self, code: str) -> None:
         self.failed += 1
         self.transient += code in output.TRANSIENT_CODES
         if self.progress:
@@ -213,7 +229,7 @@ def run_job(
                 with sink.progress:
                     stats = backend.run(spec.requests(todo), sink, stop)
                 wall = time.monotonic() - start
-                stats.load_s = load_s
+                stats.load_s += load_s  # a Ray backend reports its replicas' loads, inside `wall`
     finally:
         results.close()
         errors.close()

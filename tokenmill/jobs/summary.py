@@ -32,7 +32,8 @@ class Summary:
     interrupted: bool
     requests: dict[str, int]  # the whole job: total, done, failed, not_done, …; and this run's
     tokens: dict[str, int]  # this run: prompt, cached, completion
-    engine: dict[str, Any]  # this run, embedded only: prefill/decode tokens and seconds, preemptions
+    engine: dict[str, Any]  # this run: prefill/decode tokens and seconds, preemptions (embedded); retries
+    # (endpoint); replicas (--ray: engine seconds are summed over them)
     time: dict[str, float]  # load_s, wall_s
     throughput: dict[str, float | None]  # prefill/decode/output/total tokens per second
     cost: dict[str, float | None] | None  # with --price-per-hour
@@ -66,6 +67,7 @@ def build_summary(
         "prefill_s": _round(stats.prefill_s), "decode_s": _round(stats.decode_s),
         "preemptions": stats.num_preemptions,
         "retries": stats.retries,
+        "replicas": stats.replicas,
     }
     output_rate = _rate(sink.completion_tokens, wall)
     throughput = {
@@ -128,6 +130,9 @@ def print_summary(summary: Summary, console: Console) -> None:
         table.add_row("decode", _speed(eng["decode_tokens"], eng["decode_s"], thr["decode_tok_s"]))
     if eng["retries"] is not None:
         table.add_row("retries", f"{eng['retries']}")
+    if eng.get("replicas") is not None:
+        per = " (prefill / decode rates are per replica)" if eng["prefill_tokens"] is not None else ""
+        table.add_row("replicas", f"{eng['replicas']} on Ray{per}; output and cost are the whole job's")
     table.add_row("output", f"{_fmt(thr['output_tok_s'])} tok/s · total {_fmt(thr['total_tok_s'])} tok/s")
     if summary.cost is not None:
         c = summary.cost

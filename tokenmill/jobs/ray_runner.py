@@ -1,0 +1,308 @@
+"""`tokenmill run --ray`: the same job, data parallel over a Ray cluster through Ray Data.
+
+The driver (this process) stays the job: runner.py validates the input, claims the output,
+skips what earlier runs finished and writes every row. Ray Data only maps blocks of validated
+requests to finished rows: `map_batches` on a fixed pool of actors, each holding its own copy of
+the job's backend (an engine loaded once per actor, or an endpoint client). Rows stream back to
+the driver, which writes each `custom_id` once. So a block that Ray runs again after an actor
+died cannot write a request twice, and resuming is the single-machine job's own.
+
+Ray is imported here only inside functions, and this module only when a job runs with --ray.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Protocol, runtime_checkable
+
+from tokenmill.jobs.output import WORKER_ERROR, JobError, JobFailed
+from tokenmill.jobs.runner import Backend, BackendStats, ResultSink, StopFlag
+from tokenmill.jobs.spec import BatchRequest
+
+INSTALL_HINT = "pip install 'tokenmill[ray]'"
+POLL_S = 0.1  # how often the driver looks at Ctrl-C while it waits for rows
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    address: str | None = None  # None: $RAY_ADDRESS or a cluster started on this machine, else a new local one
+    replicas: int = 1  # actors, each with its own engine (or endpoint client)
+    cpus_per_replica: float = 1.0
+    gpus_per_replica: float = 0.0
+    batch_size: int = 64  # requests per map_batches call: the unit Ray retries after an actor dies
+    no_progress_timeout_s: float = 1800.0  # fail when no batch moves for this long (must exceed one batch)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.cpus_per_replica <= 0 or self.gpus_per_replica < 0:
+            raise ValueError("--cpus-per-replica must be > 0 and --gpus-per-replica >= 0")
+        if self.batch_size < 1:
+            raise ValueError(f"--ray-batch-size must be >= 1, got {self.batch_size}")
+        if self.no_progress_timeout_s <= 0:
+            raise ValueError(f"--no-progress-timeout must be > 0, got {self.no_progress_timeout_s}")
+
+
+@runtime_checkable
+class Abortable(Protocol):
+    def abort(self, request_ids: Iterable[str]) -> None: ...
+
+
+@runtime_checkable
+class SharesMachine(Protocol):
+    def share_machine(self, share: float) -> None: ...
+
+
+class RayBackend:
+    """A `Backend` whose work runs on `options.replicas` Ray actors.
+
+    Each actor gets a copy of `backends` (not started: started once in the actor). With several
+    (one per endpoint), each batch goes to one of them, picked by its first custom_id.
+    """
+
+    def __init__(self, backends: Sequence[Backend], options: RayOptions) -> None:
+        if not backends:
+            raise ValueError("RayBackend needs at least one backend")
+        try:
+            import ray.data  # noqa: F401
+        except ImportError as exc:
+            raise JobError(f"--ray needs Ray Data ({exc}); install it with {INSTALL_HINT}") from None
+        self.backends, self.options = tuple(backends), options
+        self.kind = backends[0].kind  # the same job as without --ray: a run can resume the other's files
+        self.model = backends[0].model
+
+    def check(self, request: BatchRequest) -> None:
+        self.backends[0].check(request)
+
+    def start(self) -> None:
+        connect(self.options)
+
+    def run(self, requests: Iterator[BatchRequest], sink: ResultSink, stop: StopFlag) -> BackendStats:
+        import ray
+        from ray.data.exceptions import ExecutionTimeoutError
+
+        items = [to_item(r) for r in requests]
+        totals = BackendStats(replicas=self.options.replicas)
+        if not items:
+            return totals
+        backends_ref = ray.put(self.backends)  # once, not once per actor (and per restart)
+        written: set[str] = set()
+        try:
+            for batch in stream_batches(build_dataset(items, backends_ref, self.options), stop):
+                for custom_id, row, stats in zip(batch["custom_id"], batch["row"], batch["stats"], strict=True):
+                    if stats:
+                        merge_stats(totals, BackendStats(**json.loads(stats)))
+                    if custom_id not in written:  # a block re-run after an actor died sends rows again
+                        written.add(custom_id)
+                        sink.row(json.loads(row))
+        except ExecutionTimeoutError as exc:
+            raise JobFailed(f"the Ray job made no progress for {self.options.no_progress_timeout_s:g} s "
+                            f"({_first_line(exc)}); {len(written)} row(s) written this run are kept. Check "
+                            "`ray status` (replicas asking for more CPUs/GPUs than the cluster has wait "
+                            "forever), then re-run the same command to resume") from exc
+        except ray.exceptions.RayError as exc:
+            raise JobFailed(f"the Ray job failed: {_first_line(exc)}; {len(written)} row(s) written this run "
+                            "are kept; re-run the same command to resume") from exc
+        return totals
+
+
+def connect(options: RayOptions) -> None:
+    """Join the cluster (or start a local one); warn when it cannot hold the replicas yet."""
+    import ray
+
+    if not ray.is_initialized():  # else: a program or test session that already chose its cluster
+        try:
+            ray.init(address=options.address)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            where = options.address or "$RAY_ADDRESS / this machine"
+            raise JobError(f"cannot join the Ray cluster at {where}: {_first_line(exc)}") from exc
+    have = ray.cluster_resources()
+    for name, each in (("CPU", options.cpus_per_replica), ("GPU", options.gpus_per_replica)):
+        need = each * options.replicas
+        if need and have.get(name, 0) < need:
+            print(f"tokenmill run: the Ray cluster has {have.get(name, 0):g} {name}(s) now, the {options.replicas} "
+                  f"replica(s) need {need:g}; waiting for an autoscaler (the job fails after "
+                  f"--no-progress-timeout {options.no_progress_timeout_s:g} s without progress)", file=sys.stderr)
+
+
+def to_item(request: BatchRequest) -> dict[str, Any]:
+    # The body travels as JSON text: Arrow would otherwise infer a struct schema per block, and
+    # bodies with different fields would not fit one dataset.
+    return {"custom_id": request.custom_id, "line": request.line, "url": request.url,
+            "body": json.dumps(request.body, ensure_ascii=False)}
+
+
+def build_dataset(items: list[dict[str, Any]], backends_ref: Any, options: RayOptions) -> Any:
+    import ray.data
+
+    # One block per batch: blocks are what Ray hands to actors and re-runs when one dies.
+    ds = ray.data.from_items(items, override_num_blocks=math.ceil(len(items) / options.batch_size))
+    ds = ds.map_batches(
+        Replica, fn_constructor_args=(backends_ref,), batch_size=options.batch_size, batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(size=options.replicas),
+        num_cpus=options.cpus_per_replica, num_gpus=options.gpus_per_replica or None,
+    )
+    # Actor fault tolerance is Ray Data's default for actor pools (max_restarts=-1,
+    # max_task_retries=-1): a dead actor is restarted and its batch runs again.
+    ctx = ds.context
+    ctx.execution_no_progress_timeout_s = options.no_progress_timeout_s
+    ctx.enable_progress_bars = False  # the job has its own progress bar
+    ctx.print_on_execution_start = False
+    return ds
+
+
+def stream_batches(dataset: Any, stop: StopFlag) -> Iterator[dict[str, Any]]:
+    """The dataset's output batches, as they finish; ends early when `stop` is set.
+
+    Ray is waited on in a thread, so Ctrl-C is seen within POLL_S: the first stops waiting (the
+    batches already back are still written; those computing are dropped, and a re-run does
+    them), the second stops at once.
+    """
+    results: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=4)
+    cancel = threading.Event()
+
+    def put(kind: str, value: Any) -> None:
+        while not cancel.is_set():
+            try:
+                results.put((kind, value), timeout=POLL_S)
+                return
+            except queue.Full:
+                continue
+
+    def pump() -> None:
+        try:
+            for batch in dataset.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1):
+                put("batch", batch)
+                if cancel.is_set():
+                    return
+            put("end", None)
+        except BaseException as exc:  # handed to the driver's thread, which raises it
+            put("error", exc)
+
+    threading.Thread(target=pump, name="tokenmill-ray-rows", daemon=True).start()
+    try:
+        while not stop.forced:
+            try:
+                kind, value = results.get(timeout=POLL_S)
+            except queue.Empty:
+                if stop.requested:
+                    return
+                continue
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        cancel.set()
+
+
+class Replica:
+    """One Ray actor: its copy of the backend(s), started once, serving batch after batch."""
+
+    def __init__(self, backends: Any) -> None:
+        import ray
+
+        if isinstance(backends, ray.ObjectRef):
+            backends = ray.get(backends)
+        start = time.monotonic()
+        share = machine_share() if ray.is_initialized() and ray.get_runtime_context().get_actor_id() else 1.0
+        for backend in backends:
+            if isinstance(backend, SharesMachine):
+                backend.share_machine(share)
+            backend.start()
+        self.backends: tuple[Backend, ...] = tuple(backends)
+        self.load_s = time.monotonic() - start  # reported with this actor's first batch
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, list[Any]]:
+        requests = [BatchRequest(int(line), str(cid), str(url), json.loads(body))
+                    for cid, line, url, body in zip(batch["custom_id"], batch["line"], batch["url"], batch["body"],
+                                                    strict=True)]
+        if not requests:
+            return {"custom_id": [], "row": [], "stats": []}
+        backend = self.backends[zlib.crc32(requests[0].custom_id.encode()) % len(self.backends)]
+        rows, stats = serve_batch(backend, requests)
+        stats.load_s, self.load_s = self.load_s, 0.0
+        # The batch's stats ride on its first row, so they arrive (and count) with its rows.
+        return {"custom_id": [r["custom_id"] for r in rows],
+                "row": [json.dumps(r, ensure_ascii=False) for r in rows],
+                "stats": [json.dumps(asdict(stats))] + [""] * (len(rows) - 1)}
+
+
+def machine_share() -> float:
+    """This actor's part of its node: of the node's GPUs when it has GPUs (per device), else of
+    its CPUs. Replicas that start together each see the same free memory; without this, four
+    CPU replicas on one node would each size their KV cache for 40 % of it."""
+    import ray
+
+    context = ray.get_runtime_context()
+    mine = context.get_assigned_resources()
+    if mine.get("GPU"):
+        return min(1.0, mine["GPU"])
+    node = next((n["Resources"] for n in ray.nodes() if n["NodeID"] == context.get_node_id()), {})
+    return min(1.0, mine.get("CPU", 1.0) / max(node.get("CPU", 1.0), 1.0))
+
+
+class RowList(list[dict[str, Any]]):
+    """A `RowWriter` that keeps rows in memory, for a replica to send back."""
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.append(row)
+
+
+def serve_batch(backend: Backend, requests: list[BatchRequest]) -> tuple[list[dict[str, Any]], BackendStats]:
+    """One row per request, whatever the backend does.
+
+    Ray drops a whole block when a map function raises, so an exception is turned into rows here:
+    the requests still unanswered run again one at a time, and one that still raises alone gets a
+    `worker_error` row (transient: a re-run tries it again).
+    """
+    rows = RowList()
+    sink = ResultSink(rows, rows, None)
+    try:
+        return rows, backend.run(iter(requests), sink, StopFlag())
+    except Exception:  # one request's failure must not cost the batch: isolate it below
+        _abort(backend, requests)
+    stats = BackendStats()
+    answered = {row["custom_id"] for row in rows}
+    for request in requests:
+        if request.custom_id in answered:
+            continue
+        try:
+            merge_stats(stats, backend.run(iter([request]), sink, StopFlag()))
+        except Exception as exc:
+            _abort(backend, [request])
+            sink.error(request, WORKER_ERROR, f"the worker's backend failed on this request: "
+                                              f"{type(exc).__name__}: {exc}")
+    return rows, stats
+
+
+def _abort(backend: Backend, requests: list[BatchRequest]) -> None:
+    """Clear what a failed `run` left inside the engine, so the next run starts clean."""
+    if isinstance(backend, Abortable):
+        backend.abort(r.custom_id for r in requests)
+
+
+def merge_stats(total: BackendStats, part: BackendStats) -> None:
+    """Add one batch's stats into the job's: counts and engine seconds summed, load the longest."""
+    for f in fields(BackendStats):
+        if f.name == "replicas":
+            continue
+        mine, theirs = getattr(total, f.name), getattr(part, f.name)
+        if f.name == "load_s":
+            total.load_s = max(mine, theirs)  # replicas load side by side
+        elif theirs is not None:
+            setattr(total, f.name, (mine or 0) + theirs)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
