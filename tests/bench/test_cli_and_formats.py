@@ -69,6 +69,11 @@ def test_markdown_csv_and_costs(tmp_path: Path) -> None:
     assert p2["m_output_per_usd"] == pytest.approx(1 / p2["usd_per_m_output"])
     md = markdown(data)
     assert "In the shape of the published study" in md and "| 2 |" in md
+    table = md.split("## Every point")[1].strip().splitlines()
+    header, row = table[0].split("|"), table[3].split("|")
+    assert len(header) == len(row), "every column of the points table has its cell"
+    cells = dict(zip((h.strip() for h in header), (c.strip() for c in row), strict=True))
+    assert cells["TTFT p50 ms"] == f"{p2['ttft_p50'] * 1000:,.1f}" and cells["E2E p95 s"] == f"{p2['e2e_p95']:,.2f}"
     write_csv(data["points"], tmp_path / "p.csv")
     assert (tmp_path / "p.csv").read_text().splitlines()[0].startswith("batch_size,")
 

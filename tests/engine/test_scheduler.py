@@ -135,6 +135,29 @@ def test_length_policy_admits_short_prompts_first_and_ages_long_ones() -> None:
     assert _step(aged) == {"long": 12}  # waited past the (zero) aging bound: goes first
 
 
+def test_length_policy_keeps_a_batch_that_arrived_together_shortest_first() -> None:
+    """An offline batch arrives at once: however long it has waited, shortest still goes first
+    (a fixed aging cut-off would flip every request to arrival order at the same moment)."""
+    s = _scheduler(max_num_batched_tokens=12, scheduling_policy="length", length_aging_s=1, max_model_len=64)
+    seqs = [_add(s, 40, "long"), _add(s, 5, "short1"), _add(s, 6, "short2")]
+    for seq in seqs:
+        seq.timings.arrival -= 100.0  # everyone has waited 100x the aging bound
+    assert _step(s) == {"short1": 5, "short2": 6, "long": 1}
+
+
+def test_length_policy_never_lets_a_much_younger_request_pass() -> None:
+    s = _scheduler(max_num_batched_tokens=12, scheduling_policy="length", length_aging_s=10, max_model_len=64)
+    long = _add(s, 40, "long")
+    long.timings.arrival -= 10.5  # arrived more than the aging bound before the short one
+    _add(s, 5, "short")
+    assert _step(s) == {"long": 12}
+    recent = _scheduler(max_num_batched_tokens=12, scheduling_policy="length", length_aging_s=10, max_model_len=64)
+    early = _add(recent, 40, "long")
+    early.timings.arrival -= 0.5  # only just earlier: shortest first still
+    _add(recent, 5, "short")
+    assert _step(recent) == {"short": 5, "long": 7}
+
+
 def test_watermark_holds_back_admissions_but_never_an_empty_engine() -> None:
     s = _scheduler(num_blocks=10, kv_watermark=0.3)  # keep 3 blocks free
     _add(s, 24, "big")  # 6 blocks: admitted, nothing is running

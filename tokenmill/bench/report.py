@@ -19,9 +19,10 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("prefill_tokens_per_s", "prefill tok/s", "{:,.0f}"),
     ("decode_tokens_per_s", "decode tok/s", "{:,.1f}"),
     ("requests_per_s", "req/s", "{:,.3f}"),
-    ("ttft_p50", "TTFT p50 ms", "ms"), ("ttft_p95", "p95", "ms"), ("ttft_p99", "p99", "ms"),
-    ("tpot_p50", "TPOT p50 ms", "ms"), ("tpot_p95", "p95", "ms"),
-    ("e2e_p50", "E2E p50 s", "{:,.2f}"), ("e2e_p95", "p95", "{:,.2f}"),
+    # Headers must be unique: rows are dicts keyed by header.
+    ("ttft_p50", "TTFT p50 ms", "ms"), ("ttft_p95", "TTFT p95 ms", "ms"), ("ttft_p99", "TTFT p99 ms", "ms"),
+    ("tpot_p50", "TPOT p50 ms", "ms"), ("tpot_p95", "TPOT p95 ms", "ms"),
+    ("e2e_p50", "E2E p50 s", "{:,.2f}"), ("e2e_p95", "E2E p95 s", "{:,.2f}"),
     ("gain", "gain", "pct"),
     ("peak_kv_usage", "peak KV", "pct0"), ("preemptions", "preempt", "{:d}"),
     ("shape", "in/out actual", "str"),

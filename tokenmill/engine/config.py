@@ -29,7 +29,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True  # split long prompts across steps under the budget
     scheduling_policy: str = "fcfs"  # fcfs | priority (lower value first) | length (shortest first)
-    length_aging_s: float = 10.0  # "length": a request waiting this long goes ahead of younger ones
+    length_aging_s: float = 10.0  # "length": never passed by a request arriving this much later
     max_preemptions: int = 3  # after this many, a request is preempted only as a last resort
     kv_watermark: float = 0.01  # admissions keep this fraction of blocks free for running requests
     seed: int = 0  # seed for requests that do not bring their own

@@ -46,7 +46,7 @@ class LLMEngine:
         )
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.eos_token_ids = self._eos_token_ids()
         self.runner = ModelRunner(
             model, num_blocks, config.block_size, self.eos_token_ids, self.device,

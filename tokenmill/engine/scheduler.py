@@ -64,9 +64,14 @@ class SchedulerMetrics:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        # "length" ages requests linearly: a second of waiting counts as this many tokens less
+        # remaining prefill, so a prompt of max_model_len tokens catches up with a fresh empty
+        # one after length_aging_s.
+        longest = max_model_len or config.max_model_len or block_manager.num_blocks * config.block_size
+        self._aging_rate = longest / config.length_aging_s if config.length_aging_s > 0 else None
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -89,13 +94,14 @@ class Scheduler:
         policy = self.config.scheduling_policy
         if policy == "priority":
             return (seq.priority, seq.arrival_order)
-        if policy == "length":
-            # Shortest remaining prefill first, but a request that has waited past the aging
-            # bound goes ahead of every younger one: short prompts cannot starve long ones.
-            aged = now - seq.timings.arrival >= self.config.length_aging_s
-            remaining = 0 if aged else seq.num_tokens - seq.num_computed_tokens
-            return (not aged, remaining, seq.arrival_order)
-        return (seq.arrival_order,)
+        if policy == "length" and self._aging_rate is not None:
+            # Shortest remaining prefill first, aged by time waited. Requests that arrive together
+            # age alike and stay shortest-first (a fixed "waited too long" cut-off would turn a
+            # whole offline batch into fcfs at once); a request is never passed by one that
+            # arrived more than length_aging_s after it, so long prompts cannot starve.
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            return (remaining - self._aging_rate * (now - seq.timings.arrival), seq.arrival_order)
+        return (seq.arrival_order,)  # fcfs; also "length" with a zero aging bound
 
     def _victim_key(self, seq: Sequence) -> tuple:
         # Requests preempted too often are protected: only taken once nothing else is left,
