@@ -12,31 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.runner import CpuMeter
 
 TEXT = (
     "Batch inference is bounded by physics. A decode step must read every weight it uses plus "
     "the KV cache of every sequence in the batch, and prefill has to do its floating point work. "
 )
-
-
-def _other_cpu_seconds() -> float:
-    """CPU seconds used by every other process so far (to report the machine's other load)."""
-    total = 0.0
-    me = os.getpid()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        if int(pid) == me:
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            continue
-    return total
 
 
 def main() -> None:
@@ -54,7 +38,7 @@ def main() -> None:
         llm.engine.config.max_num_seqs = b
         # A distinct first token per request and per run: no prefix-cache hits between them.
         prompts = [{"prompt_token_ids": [1000 + 100 * b + i, *ids[1 : args.input_len]]} for i in range(b)]
-        other0, start = _other_cpu_seconds(), time.monotonic()
+        meter, start = CpuMeter(), time.monotonic()
         outs = llm.generate(prompts, params, progress=False)
         wall = time.monotonic() - start
         prefill_end = max(o.timings.first_token for o in outs)
@@ -64,7 +48,7 @@ def main() -> None:
             "output_tokens_per_s": b * args.output_len / wall,
             "prefill_tokens_per_s": b * args.input_len / (prefill_end - start),
             "decode_tokens_per_s": b * (args.output_len - 1) / decode_time,
-            "other_cpu_seconds": round(_other_cpu_seconds() - other0, 2),
+            "other_cpu_seconds": meter.other_seconds(),
             "cached_tokens": sum(o.num_cached_tokens for o in outs),
         }
         print(json.dumps(point))

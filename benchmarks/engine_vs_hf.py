@@ -27,23 +27,13 @@ from pathlib import Path
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.runner import CpuMeter
 from tokenmill.models.loader import LoadedWeights, load_weights
 
 CORPUS = Path(__file__).resolve().parents[1] / "benchmarks" / "corpus.txt"
 
 
 # ---- measurement helpers ----------------------------------------------------------------------
-def _busy_jiffies() -> int:
-    with open("/proc/stat") as f:
-        cpu = [int(x) for x in f.readline().split()[1:]]
-    return sum(cpu) - cpu[3] - cpu[4]  # all but idle and iowait
-
-
-def _own_cpu_seconds() -> float:
-    t = __import__("os").times()
-    return t.user + t.system
-
-
 @dataclass
 class Timed:
     wall: float
@@ -52,12 +42,13 @@ class Timed:
 
 
 def timed(fn: Callable[[], object]) -> Timed:
-    hz = __import__("os").sysconf("SC_CLK_TCK")
-    busy0, own0, t0 = _busy_jiffies(), _own_cpu_seconds(), time.perf_counter()
+    meter, t0 = CpuMeter(), time.perf_counter()
     result = fn()
     wall = time.perf_counter() - t0
-    other = (_busy_jiffies() - busy0) / hz - (_own_cpu_seconds() - own0)
-    return Timed(wall, max(0.0, round(other, 2)), result)
+    other = meter.other_seconds()
+    if other is None:
+        raise OSError("no /proc/stat: cannot report other processes' CPU use, so no honest number")
+    return Timed(wall, other, result)
 
 
 def gemm_flops_per_s() -> float:

@@ -16,20 +16,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from tokenmill.bench.runner import CpuMeter
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.models import paged_attention
 from tokenmill.models.loader import load_weights
-
-
-def other_cpu_seconds() -> float:
-    """CPU seconds used by every process but this one, so far (from /proc/stat minus ours)."""
-    with open("/proc/stat") as f:
-        busy = sum(int(x) for x in f.readline().split()[1:4])
-    with open("/proc/self/stat") as f:
-        own = sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])
-    return (busy - own) / 100
 
 
 def best_ms(fn: Callable[[], object], repeats: int = 20) -> float:
@@ -62,11 +54,11 @@ def one_layer(batch: int, context: int) -> None:
         return paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens)
 
     torch.testing.assert_close(kernel(), gather_sdpa().reshape(batch, -1, head_dim), atol=1e-5, rtol=1e-5)
-    other = other_cpu_seconds()
+    meter = CpuMeter()
     sdpa_ms, kernel_ms = best_ms(gather_sdpa), best_ms(kernel)
     mb = 2 * batch * context * kv_heads * head_dim * 4 / 1e6
     print(f"one layer, batch {batch} x {context} tokens ({mb:.0f} MB of K/V): gather+SDPA {sdpa_ms:.2f} ms, "
-          f"kernel {kernel_ms:.2f} ms = {sdpa_ms / kernel_ms:.2f}x  [other CPU {other_cpu_seconds() - other:.1f} s]")
+          f"kernel {kernel_ms:.2f} ms = {sdpa_ms / kernel_ms:.2f}x  [other CPU {meter.other_seconds()} s]")
 
 
 def engine_steps(batch: int, prompt_len: int) -> None:
@@ -83,7 +75,7 @@ def engine_steps(batch: int, prompt_len: int) -> None:
             engine.step()
         engines[mode] = engine
     times: dict[str, list[float]] = {mode: [] for mode in engines}
-    other = other_cpu_seconds()
+    meter = CpuMeter()
     for _ in range(4):  # alternate, so drift hits both alike
         for mode, engine in engines.items():
             start = time.perf_counter()
@@ -92,7 +84,7 @@ def engine_steps(batch: int, prompt_len: int) -> None:
             times[mode].append((time.perf_counter() - start) / 4 * 1e3)
     k, s = statistics.median(times["kernel"]), statistics.median(times["sdpa"])
     print(f"decode step, batch {batch}, {prompt_len}-token prompts: gather+SDPA {s:.0f} ms, "
-          f"kernel {k:.0f} ms = {s / k:.2f}x  [other CPU {other_cpu_seconds() - other:.1f} s]")
+          f"kernel {k:.0f} ms = {s / k:.2f}x  [other CPU {meter.other_seconds()} s]")
 
 
 def main() -> None:
@@ -100,6 +92,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=320)
     args = ap.parse_args()
+    if args.context <= 64:  # the engine part decodes from prompts of context - 64 tokens
+        ap.error(f"--context must be > 64, got {args.context}")
     if not paged_attention.kernel_available():
         raise SystemExit("the paged-attention kernel did not build (see the log)")
     one_layer(args.batch, args.context)

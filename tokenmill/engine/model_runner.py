@@ -96,7 +96,7 @@ class ModelRunner:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device)
 
-    def _initialise(self, tables: torch.Tensor) -> torch.Tensor:
+    def _initialise(self, tables: torch.Tensor) -> None:
         fresh = tables[~self._initialised[tables]].unique()
         if fresh.numel():
             index = fresh.to(self.device)
@@ -104,7 +104,6 @@ class ModelRunner:
                 k.index_fill_(0, index, 0.0)
                 v.index_fill_(0, index, 0.0)
             self._initialised[fresh] = True
-        return tables
 
     def _attention_group(self, spans: list[_Span], paged: bool) -> AttentionGroup:
         """`paged`: decodes read by the paged kernel, which needs no mask."""
@@ -124,23 +123,21 @@ class ModelRunner:
             tables[i, :used] = torch.tensor(s.block_table[:used])
         # Zeroed even when the kernel (which reads only context) attends them: a block first
         # written on the kernel path may later be gathered by a prefill group.
-        tables = self._initialise(tables).to(self.device)
+        self._initialise(tables)
+        mask = None if paged else self._mask(ctx, num_new, query_valid, max_blocks * bs)
         to = self.device
-        if paged:
-            return AttentionGroup(
-                query_index.to(to), query_valid.to(to), tables, ctx.to(to), None,
-                query_index[query_valid].to(to),
-            )
-        k_pos = torch.arange(max_blocks * bs)
+        return AttentionGroup(
+            query_index.to(to), query_valid.to(to), tables.to(to), ctx.to(to),
+            None if mask is None else mask.to(to), query_index[query_valid].to(to),
+        )
 
-        q_pos = (ctx - num_new)[:, None] + q_off  # absolute position of each query row
-        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # causal; also bounds the context
+    def _mask(self, ctx: torch.Tensor, num_new: torch.Tensor, query_valid: torch.Tensor, keys: int) -> torch.Tensor:
+        """[G, 1, group*Lq, keys] bool: causal, bounded by the context (and the sliding window)."""
+        k_pos = torch.arange(keys)
+        q_pos = (ctx - num_new)[:, None] + torch.arange(query_valid.shape[1])  # absolute query positions
+        mask = k_pos[None, None, :] <= q_pos[:, :, None]
         if self.sliding_window:
             mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
         mask &= query_valid[:, :, None]
         mask[:, :, 0] |= ~query_valid  # padded query rows look at one real key: no NaNs
-        mask = mask.repeat(1, self.query_group, 1)[:, None]  # rows ordered (head in group, query)
-        return AttentionGroup(
-            query_index.to(to), query_valid.to(to), tables, ctx.to(to),
-            mask.to(to), query_index[query_valid].to(to),
-        )
+        return mask.repeat(1, self.query_group, 1)[:, None]  # rows ordered (head in group, query)
