@@ -99,32 +99,33 @@ def tiny_model(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:  # ty
     return folder, model
 
 
+# The C kernels (paged decode attention, small-batch linears), or PyTorch ops only.
+KERNELS = {"kernels": {"decode_attention": "kernel", "small_batch_linear": "kernel"},
+           "torch": {"decode_attention": "sdpa", "small_batch_linear": "off"}}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("policy", "decode_attention"),
-    [("fcfs", "kernel"), ("priority", "kernel"), ("length", "kernel"), ("fcfs", "sdpa")],
+    ("policy", "ops"), [("fcfs", "kernels"), ("priority", "kernels"), ("length", "kernels"), ("fcfs", "torch")],
 )
-def test_tiny_models_match_transformers_on_every_cache_path(tiny_model, policy: str, decode_attention: str) -> None:  # type: ignore[no-untyped-def]
+def test_tiny_models_match_transformers_on_every_cache_path(tiny_model, policy: str, ops: str) -> None:  # type: ignore[no-untyped-def]
     folder, model = tiny_model
     weights = load_weights(str(folder))
     assert weights.config.model_type == model.config.model_type
 
     def make_llm(**overrides: int) -> LLM:
-        settings = {
-            "block_size": 4, "max_num_seqs": 8, "scheduling_policy": policy,
-            "decode_attention": decode_attention, **overrides,
-        }
+        settings = {"block_size": 4, "max_num_seqs": 8, "scheduling_policy": policy, **KERNELS[ops], **overrides}
         return LLM(weights=weights, **settings)
 
     _check_cache_paths(make_llm, ReferenceCache(model), vocab=512)
 
 
-@pytest.mark.parametrize("decode_attention", ["kernel", "sdpa"])
-def test_uninitialised_kv_memory_never_leaks_into_attention(tiny_model, decode_attention: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("ops", KERNELS)
+def test_uninitialised_kv_memory_never_leaks_into_attention(tiny_model, ops: str) -> None:  # type: ignore[no-untyped-def]
     """The cache is allocated uninitialised and whole blocks are gathered; poison it with NaN
     to stand for garbage and the output must still match the reference."""
     folder, model = tiny_model
-    llm = LLM(weights=load_weights(str(folder)), block_size=8, max_num_seqs=4, decode_attention=decode_attention)
+    llm = LLM(weights=load_weights(str(folder)), block_size=8, max_num_seqs=4, **KERNELS[ops])
     for k, v in llm.engine.runner.kv_caches:
         k.fill_(float("nan"))
         v.fill_(float("nan"))

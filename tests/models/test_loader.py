@@ -40,6 +40,8 @@ def test_bad_engine_config_names_the_field() -> None:
         EngineConfig(kv_cache_memory_fraction=1.5)
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype="int3")
+    with pytest.raises(ValueError, match="small_batch_linear"):
+        EngineConfig(small_batch_linear="fast")
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from tokenmill.models import paged_attention
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.llama import CausalLM, fuse_projections
 from tokenmill.models.loader import LoadedWeights, load_weights
-from tokenmill.models.packed import onednn_packing_available, pack_linears
+from tokenmill.models.packed import onednn_packing_available, pack_linears, small_batch_kernel_available
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class LLMEngine:
         model = build_model(
             weights, self.max_model_len, self.device, config.torch_dtype,
             pack_weights=config.pack_weights, batch_hint=config.max_num_batched_tokens,
+            small_batch_kernel=self._use_small_batch_kernel(weights),
         )
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -80,6 +81,24 @@ class LLMEngine:
                 "EngineConfig.decode_attention='kernel' needs a CPU, float32 and a C compiler "
                 "(see the log for why it did not build); use 'auto' or 'sdpa'"
             )
+        return usable
+
+    def _use_small_batch_kernel(self, weights: LoadedWeights) -> bool:
+        choice = self.config.small_batch_linear
+        if choice == "off":
+            return False
+        usable = small_batch_kernel_available(self.device, self.config.torch_dtype)
+        if choice == "kernel" and not usable:
+            raise ValueError(
+                "EngineConfig.small_batch_linear='kernel' needs a CPU, float32 and a C compiler "
+                "(see the log for why it did not build); use 'auto' or 'off'"
+            )
+        # The kernel keeps its own copy of the weights: about the model's size once more.
+        copy_bytes = sum(t.numel() for t in weights.state_dict.values()) * self.config.torch_dtype.itemsize
+        if choice == "auto" and copy_bytes > _free_memory(self.device) // 4:
+            log.info("small-batch linear kernel off: a %.0f MiB weight copy is over a quarter of free memory",
+                     copy_bytes / 2**20)
+            return False
         return usable
 
     def _num_kv_blocks(self) -> int:
@@ -268,6 +287,7 @@ def build_model(
     dtype: torch.dtype,
     pack_weights: bool = True,
     batch_hint: int = 2048,
+    small_batch_kernel: bool = False,
 ) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(weights.config)
@@ -284,8 +304,9 @@ def build_model(
         )
     model.init_rope(max_positions)
     model = model.to(device).eval()
-    if pack_weights and onednn_packing_available(device, dtype):
-        pack_linears(model, batch_hint)
+    onednn = pack_weights and onednn_packing_available(device, dtype)
+    if onednn or small_batch_kernel:
+        pack_linears(model, batch_hint, onednn=onednn, small_batch=small_batch_kernel)
     return model
 
 

@@ -103,10 +103,11 @@ static void attend_any(const Context *c, const float *q, int D, float scale, flo
 int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                            const int64_t *block_tables, const int64_t *context_lens, float *out,
                            int num_seqs, int num_kv_heads, int group, int head_dim,
-                           int block_size, int max_blocks, float scale, int64_t window) {
+                           int block_size, int max_blocks, float scale, int64_t window,
+                           int num_threads) {
     if (head_dim % 8 != 0 || head_dim > 256) return -1;
     int failed = 0;
-#pragma omp parallel
+#pragma omp parallel num_threads(num_threads)
     {
         float *scores = NULL;
         int64_t capacity = 0;

@@ -1,0 +1,74 @@
+"""The CPU linear layers: the small-batch kernel and oneDNN packing against plain F.linear."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill import LLM
+from tokenmill.engine import llm_engine
+from tokenmill.models import packed
+from tokenmill.models.loader import load_weights
+from tokenmill.models.packed import SMALL_BATCH_ROWS, PackedLinear, blocked_weight, small_gemm
+
+
+@pytest.mark.parametrize(("n", "k"), [(8, 4), (24, 20), (96, 68)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 12, 19])
+def test_small_gemm_matches_a_plain_matmul(n: int, k: int, rows: int) -> None:
+    assert packed.small_batch_kernel_available(torch.device("cpu"), torch.float32), "gcc is where CI runs"
+    gen = torch.Generator().manual_seed(rows)
+    w, b, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(rows, k, generator=gen)
+    torch.testing.assert_close(small_gemm(x, blocked_weight(w), b), x @ w.T + b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(small_gemm(x, blocked_weight(w), None), x @ w.T, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_packed_linear_gives_f_linear_at_every_row_count(onednn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr(packed, "small_gemm", lambda *a: calls.append(a[0].shape[0]) or small_gemm(*a))
+    linear = torch.nn.Linear(64, 40)
+    layer = PackedLinear(linear, batch_hint=32, onednn=onednn, small_batch=True)
+    for rows in (1, 3, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 100):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x), F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
+    assert calls == [1, 3, SMALL_BATCH_ROWS], "the kernel serves small batches only"
+
+
+def test_a_shape_the_kernel_cannot_take_falls_back() -> None:
+    linear = torch.nn.Linear(64, 12)  # 12 output columns: not whole 8-column blocks
+    layer = PackedLinear(linear, batch_hint=8, small_batch=True)
+    assert layer.blocked is None
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    folder = tmp_path_factory.mktemp("llama")
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def _uses_kernel(llm: LLM) -> bool:
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedLinear)]
+    assert layers, "every linear is a PackedLinear on CPU"
+    return all(m.blocked is not None for m in layers)
+
+
+def test_auto_keeps_the_second_weight_copy_only_where_memory_allows(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weights = load_weights(str(tiny_llama))
+    assert _uses_kernel(LLM(weights=weights, num_kv_blocks=8))
+    assert not _uses_kernel(LLM(weights=weights, num_kv_blocks=8, small_batch_linear="off"))
+    monkeypatch.setattr(llm_engine, "_free_memory", lambda device: 1024)  # the copy would not fit
+    assert not _uses_kernel(LLM(weights=weights, num_kv_blocks=8))
+    assert _uses_kernel(LLM(weights=weights, num_kv_blocks=8, small_batch_linear="kernel"))

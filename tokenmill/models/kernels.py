@@ -1,0 +1,88 @@
+"""The CPU kernels in csrc/, compiled once with the system C compiler and loaded with ctypes.
+
+No torch headers and no build system: one `cc` call builds every csrc/*.c file into one shared
+library in about a second, cached under the tokenmill cache folder per source, compiler and
+CPU. OpenMP comes from the libgomp torch already loaded, so the process keeps one thread pool.
+Where no compiler is found or the build fails, `library()` is None and callers use PyTorch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from tokenmill.models.loader import cache_root
+
+log = logging.getLogger(__name__)
+
+_SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
+# -march=native: the build is cached per CPU (the key includes the CPU flags below).
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "paged_decode_attention": [_P] * 6 + [_I] * 6 + [_F, _I64, _I],
+    "small_gemm": [_P] * 4 + [_I] * 4,
+}
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _compile(compiler: str) -> Path:
+    digest = hashlib.sha256(" ".join([compiler, *_FLAGS, _cpu_signature()]).encode())
+    for source in _SOURCES:
+        digest.update(source.name.encode() + source.read_bytes())
+    target = cache_root() / "kernels" / f"tokenmill-kernels-{digest.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent processes never load a half-written file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built), "-lm"],
+                       check=True, capture_output=True, text=True, timeout=120)
+        os.replace(built, target)
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: the CPU kernels are off (slower PyTorch fallbacks)")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_compile(compiler)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("CPU kernels unavailable (%s): using PyTorch fallbacks", detail)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """Compile (once per process; cached on disk across processes) and load; None on failure."""
+    global _library, _tried
+    with _lock:
+        if not _tried:
+            _library, _tried = _load(), True
+    return _library
