@@ -40,7 +40,7 @@ class EngineConfig:
     # use), "sdpa" gathers blocks and calls PyTorch SDPA, "auto" = kernel where it builds.
     decode_attention: str = "auto"
     # Linear layers of steps with few tokens (batch-1 decode): "kernel" streams the weights with
-    # a small C kernel (CPU fp32) at up to 1.8x oneDNN's speed, at the cost of a second copy of
+    # a small C kernel (CPU fp32) at 1.3-1.7x oneDNN's speed, at the cost of a second copy of
     # the weights; "auto" = the kernel where it builds and the copy fits in a quarter of the
     # free memory; "off" = oneDNN (or F.linear) at every size.
     small_batch_linear: str = "auto"
