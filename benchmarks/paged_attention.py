@@ -9,12 +9,10 @@ Prints times and the ratio measured in the same run, and the CPU other processes
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from timing import median_ms, step_ms
 
 from tokenmill.bench.runner import CpuMeter
 from tokenmill.engine.config import EngineConfig
@@ -22,16 +20,6 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.models import paged_attention
 from tokenmill.models.loader import load_weights
-
-
-def best_ms(fn: Callable[[], object], repeats: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def one_layer(batch: int, context: int) -> None:
@@ -55,7 +43,7 @@ def one_layer(batch: int, context: int) -> None:
 
     torch.testing.assert_close(kernel(), gather_sdpa().reshape(batch, -1, head_dim), atol=1e-5, rtol=1e-5)
     meter = CpuMeter()
-    sdpa_ms, kernel_ms = best_ms(gather_sdpa), best_ms(kernel)
+    sdpa_ms, kernel_ms = median_ms(gather_sdpa), median_ms(kernel)
     mb = 2 * batch * context * kv_heads * head_dim * 4 / 1e6
     print(f"one layer, batch {batch} x {context} tokens ({mb:.0f} MB of K/V): gather+SDPA {sdpa_ms:.2f} ms, "
           f"kernel {kernel_ms:.2f} ms = {sdpa_ms / kernel_ms:.2f}x  [other CPU {meter.other_seconds()} s]")
@@ -74,15 +62,9 @@ def engine_steps(batch: int, prompt_len: int) -> None:
         while engine.scheduler.stats.prefill_tokens < batch * prompt_len:
             engine.step()
         engines[mode] = engine
-    times: dict[str, list[float]] = {mode: [] for mode in engines}
     meter = CpuMeter()
-    for _ in range(4):  # alternate, so drift hits both alike
-        for mode, engine in engines.items():
-            start = time.perf_counter()
-            for _ in range(4):
-                engine.step()
-            times[mode].append((time.perf_counter() - start) / 4 * 1e3)
-    k, s = statistics.median(times["kernel"]), statistics.median(times["sdpa"])
+    ms = step_ms(engines, rounds=4, steps=4)
+    k, s = ms["kernel"], ms["sdpa"]
     print(f"decode step, batch {batch}, {prompt_len}-token prompts: gather+SDPA {s:.0f} ms, "
           f"kernel {k:.0f} ms = {s / k:.2f}x  [other CPU {meter.other_seconds()} s]")
 

@@ -11,11 +11,9 @@ other processes used meanwhile (a busy machine makes both numbers meaningless).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
+from timing import median_ms, step_ms
 
 from tokenmill.bench.runner import CpuMeter
 from tokenmill.engine.config import EngineConfig
@@ -23,16 +21,6 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.models.loader import load_weights
 from tokenmill.models.packed import PackedLinear, small_gemm
-
-
-def median_ms(fn: Callable[[], object], repeats: int = 10) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def all_linears(layers: list[PackedLinear], rows_list: list[int]) -> None:
@@ -51,7 +39,7 @@ def all_linears(layers: list[PackedLinear], rows_list: list[int]) -> None:
                 small_gemm(x, m.blocked, m.bias)
 
         meter = CpuMeter()
-        one, ker = median_ms(onednn), median_ms(kernel)
+        one, ker = median_ms(onednn, 10), median_ms(kernel, 10)
         print(f"  {rows:>3} rows: oneDNN {one:6.1f} ms, kernel {ker:6.1f} ms = {one / ker:.2f}x "
               f"({megabytes / ker:.1f} GB/s)  [other CPU {meter.other_seconds()} s]")
 
@@ -65,15 +53,9 @@ def batch1_decode(weights, prompt_len: int = 256) -> None:  # type: ignore[no-un
         engine.add_request(prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
         engine.step()  # the prefill
         engines[mode] = engine
-    times: dict[str, list[float]] = {mode: [] for mode in engines}
     meter = CpuMeter()
-    for _ in range(5):  # alternate, so drift hits both alike
-        for mode, engine in engines.items():
-            start = time.perf_counter()
-            for _ in range(8):
-                engine.step()
-            times[mode].append((time.perf_counter() - start) / 8 * 1e3)
-    k, off = statistics.median(times["kernel"]), statistics.median(times["off"])
+    ms = step_ms(engines)
+    k, off = ms["kernel"], ms["off"]
     print(f"batch-1 decode step ({prompt_len}-token prompt): oneDNN {off:.1f} ms, kernel {k:.1f} ms = "
           f"{off / k:.2f}x ({1e3 / k:.1f} vs {1e3 / off:.1f} tokens/s)  [other CPU {meter.other_seconds()} s]")
 
