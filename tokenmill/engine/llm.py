@@ -64,10 +64,12 @@ class LLM:
         progress: bool = True,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
+        batch: SequenceABC[Messages] = (
+            [conversations] if conversations and isinstance(conversations[0], dict)  # type: ignore[list-item]
+            else conversations  # type: ignore[assignment]
+        )
         prompts: list[Prompt] = [
-            {"prompt": None, "prompt_token_ids": self.chat_token_ids(c)} for c in conversations
+            {"prompt": None, "prompt_token_ids": self.chat_token_ids(c)} for c in batch
         ]
         return self.generate(prompts, params, progress)
 

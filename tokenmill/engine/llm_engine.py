@@ -139,7 +139,7 @@ class LLMEngine:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids")
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, SequenceABC) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
+            return None, [int(t) for t in prompt]
         raise TypeError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def make_sequence(

@@ -176,6 +176,9 @@ def fuse_projections(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 
 class CausalLM(nn.Module):
+    rope_cos: torch.Tensor  # [max_positions, head_dim], set by init_rope
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
