@@ -37,12 +37,14 @@ def test_packed_linear_gives_f_linear_at_every_row_count(onednn: bool, monkeypat
     assert calls == [1, 3, SMALL_BATCH_ROWS], "the kernel serves small batches only"
 
 
-def test_a_shape_the_kernel_cannot_take_falls_back() -> None:
+def test_a_shape_or_dtype_the_kernel_cannot_take_falls_back() -> None:
     linear = torch.nn.Linear(64, 12)  # 12 output columns: not whole 8-column blocks
     layer = PackedLinear(linear, batch_hint=8, small_batch=True)
     assert layer.blocked is None
     x = torch.randn(2, 64)
     torch.testing.assert_close(layer(x), F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
+    bf16 = PackedLinear(torch.nn.Linear(64, 16).bfloat16(), batch_hint=8, onednn=False, small_batch=True)
+    assert bf16.blocked is None, "the kernel is fp32-only"
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ Two layouts, chosen per call by the number of rows (tokens in the step):
 - Eight output columns interleaved, for csrc/small_gemm.c, at up to SMALL_BATCH_ROWS rows: there
   the layer is a matrix-vector product bound by memory bandwidth, and oneDNN reached about half
   of it (`python benchmarks/small_gemm.py` measures both).
-Keeping both costs a second copy of the linear weights, so the engine decides whether to
-(EngineConfig.small_batch_linear).
+Keeping both costs a second copy of the linear weights, so whether to keep the second is an
+engine setting (EngineConfig.small_batch_linear).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def small_batch_kernel_available(device: torch.device, dtype: torch.dtype) -> bo
 def blocked_weight(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [N/8, K, 8]: the layout csrc/small_gemm.c streams."""
     n, k = weight.shape
-    return weight.view(n // 8, 8, k).transpose(1, 2).contiguous()
+    return weight.reshape(n // 8, 8, k).transpose(1, 2).contiguous()
 
 
 def small_gemm(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -74,7 +74,7 @@ class PackedLinear(nn.Module):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if onednn else weight
         self.register_buffer("weight", packed)
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
-        fits = self.out_features % 8 == 0 and self.in_features % 4 == 0
+        fits = self.out_features % 8 == 0 and self.in_features % 4 == 0 and weight.dtype == torch.float32
         self.register_buffer("blocked", blocked_weight(weight) if small_batch and fits else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
