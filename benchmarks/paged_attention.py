@@ -18,7 +18,7 @@ from tokenmill.bench.runner import CpuMeter
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.models import paged_attention
+from tokenmill.models import kernels, paged_attention
 from tokenmill.models.loader import load_weights
 
 
@@ -76,7 +76,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.context <= 64:  # the engine part decodes from prompts of context - 64 tokens
         ap.error(f"--context must be > 64, got {args.context}")
-    if not paged_attention.kernel_available():
+    if not kernels.supports(torch.device("cpu"), torch.float32):
         raise SystemExit("the paged-attention kernel did not build (see the log)")
     one_layer(args.batch, args.context)
     engine_steps(args.batch, args.context - 64)

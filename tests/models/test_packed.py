@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from tokenmill import LLM
 from tokenmill.engine import llm_engine
-from tokenmill.models import packed
+from tokenmill.models import kernels, packed
 from tokenmill.models.loader import load_weights
 from tokenmill.models.packed import SMALL_BATCH_ROWS, PackedLinear, blocked_weight, small_gemm
 
@@ -18,7 +18,7 @@ from tokenmill.models.packed import SMALL_BATCH_ROWS, PackedLinear, blocked_weig
 @pytest.mark.parametrize(("n", "k"), [(8, 4), (24, 20), (96, 68)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 12, 19])
 def test_small_gemm_matches_a_plain_matmul(n: int, k: int, rows: int) -> None:
-    assert packed.small_batch_kernel_available(torch.device("cpu"), torch.float32), "gcc is where CI runs"
+    assert kernels.supports(torch.device("cpu"), torch.float32), "gcc is where CI runs"
     gen = torch.Generator().manual_seed(rows)
     w, b, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(rows, k, generator=gen)
     torch.testing.assert_close(small_gemm(x, blocked_weight(w), b), x @ w.T + b, atol=1e-5, rtol=1e-5)
@@ -74,3 +74,16 @@ def test_auto_keeps_the_second_weight_copy_only_where_memory_allows(
     monkeypatch.setattr(llm_engine, "_free_memory", lambda device: 1024)  # the copy would not fit
     assert not _uses_kernel(LLM(weights=weights, num_kv_blocks=8))
     assert _uses_kernel(LLM(weights=weights, num_kv_blocks=8, small_batch_linear="kernel"))
+
+
+def test_insisting_on_a_kernel_that_cannot_run_names_the_setting(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weights = load_weights(str(tiny_llama))
+    monkeypatch.setattr(kernels, "supports", lambda device, dtype: False)  # no compiler, say
+    for setting, fallback in (("small_batch_linear", "off"), ("decode_attention", "sdpa")):
+        with pytest.raises(ValueError, match=f"EngineConfig.{setting}='kernel' needs a CPU.*'{fallback}'"):
+            LLM(weights=weights, num_kv_blocks=8, **{setting: "kernel"})
+    llm = LLM(weights=weights, num_kv_blocks=8)  # "auto" falls back to PyTorch ops
+    assert not _uses_kernel(llm) and not llm.engine.runner.paged_kernel
+    assert len(llm.generate([{"prompt_token_ids": [5, 6, 7]}], progress=False)[0].token_ids) > 0

@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.models import paged_attention
+from tokenmill.models import kernels, paged_attention
+
+CPU = torch.device("cpu")
 
 
 def _reference(q, k_cache, v_cache, tables, lens, window):  # type: ignore[no-untyped-def]
@@ -29,7 +31,7 @@ def _reference(q, k_cache, v_cache, tables, lens, window):  # type: ignore[no-un
     [(2, 2, 16, 4, None), (3, 3, 64, 16, None), (1, 8, 32, 8, None), (2, 1, 16, 4, 9)],
 )
 def test_kernel_matches_gather_and_sdpa(kv_heads: int, group: int, head_dim: int, block_size: int, window: int | None) -> None:  # noqa: E501
-    assert paged_attention.kernel_available(), "the C kernel must build where CI runs (gcc is there)"
+    assert kernels.supports(CPU, torch.float32), "the C kernel must build where CI runs (gcc is there)"
     gen = torch.Generator().manual_seed(0)
     num_blocks, seqs, max_blocks = 64, 6, 7
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
@@ -44,7 +46,7 @@ def test_kernel_matches_gather_and_sdpa(kv_heads: int, group: int, head_dim: int
 
 def test_kernel_reads_only_the_context() -> None:
     """Positions past a sequence's length (stale or NaN memory) must not reach the output."""
-    assert paged_attention.kernel_available()
+    assert kernels.supports(CPU, torch.float32)
     gen = torch.Generator().manual_seed(1)
     k_cache = torch.randn(4, 4, 1, 8, generator=gen)
     v_cache = torch.randn(4, 4, 1, 8, generator=gen)
@@ -58,7 +60,7 @@ def test_kernel_reads_only_the_context() -> None:
 
 
 def test_an_empty_context_is_an_error_not_garbage() -> None:
-    assert paged_attention.kernel_available()
+    assert kernels.supports(CPU, torch.float32)
     q = torch.randn(1, 2, 8)
     cache = torch.zeros(2, 4, 1, 8)
     with pytest.raises(RuntimeError, match="empty context"):

@@ -18,11 +18,11 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence
-from tokenmill.models import paged_attention
+from tokenmill.models import kernels
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.llama import CausalLM, fuse_projections
 from tokenmill.models.loader import LoadedWeights, load_weights
-from tokenmill.models.packed import onednn_packing_available, pack_linears, small_batch_kernel_available
+from tokenmill.models.packed import onednn_packing_available, pack_linears
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.runner = ModelRunner(
             model, num_blocks, config.block_size, self.eos_token_ids, self.device,
-            paged_kernel=self._use_paged_kernel(),
+            paged_kernel=self._kernel_wanted("decode_attention", fallback="sdpa"),
         )
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
         self._ids = itertools.count()
@@ -71,35 +71,30 @@ class LLMEngine:
             )
         return max_len
 
-    def _use_paged_kernel(self) -> bool:
-        choice = self.config.decode_attention
-        if choice == "sdpa":
+    def _kernel_wanted(self, setting: str, fallback: str) -> bool:
+        """A C-kernel setting ("auto" | "kernel" | its PyTorch `fallback`): use the kernel?"""
+        choice = getattr(self.config, setting)
+        if choice == fallback:
             return False
-        usable = paged_attention.supports(self.device, self.config.torch_dtype)
+        usable = kernels.supports(self.device, self.config.torch_dtype)
         if choice == "kernel" and not usable:
             raise ValueError(
-                "EngineConfig.decode_attention='kernel' needs a CPU, float32 and a C compiler "
-                "(see the log for why it did not build); use 'auto' or 'sdpa'"
+                f"EngineConfig.{setting}='kernel' needs a CPU, float32 and a C compiler "
+                f"(see the log for why it did not build); use 'auto' or {fallback!r}"
             )
         return usable
 
     def _use_small_batch_kernel(self, weights: LoadedWeights) -> bool:
-        choice = self.config.small_batch_linear
-        if choice == "off":
+        if not self._kernel_wanted("small_batch_linear", fallback="off"):
             return False
-        usable = small_batch_kernel_available(self.device, self.config.torch_dtype)
-        if choice == "kernel" and not usable:
-            raise ValueError(
-                "EngineConfig.small_batch_linear='kernel' needs a CPU, float32 and a C compiler "
-                "(see the log for why it did not build); use 'auto' or 'off'"
-            )
-        # The kernel keeps its own copy of the weights: about the model's size once more.
-        copy_bytes = sum(t.numel() for t in weights.state_dict.values()) * self.config.torch_dtype.itemsize
-        if choice == "auto" and copy_bytes > _free_memory(self.device) // 4:
-            log.info("small-batch linear kernel off: a %.0f MiB weight copy is over a quarter of free memory",
-                     copy_bytes / 2**20)
-            return False
-        return usable
+        if self.config.small_batch_linear == "auto":
+            # The kernel keeps its own copy of the weights: about the model's size once more.
+            copy_bytes = sum(t.numel() for t in weights.state_dict.values()) * self.config.torch_dtype.itemsize
+            if copy_bytes > _free_memory(self.device) // 4:
+                log.info("small-batch linear kernel off: a %.0f MiB weight copy is over a quarter of free "
+                         "memory", copy_bytes / 2**20)
+                return False
+        return True
 
     def _num_kv_blocks(self) -> int:
         cfg, bs = self.config, self.config.block_size

@@ -19,6 +19,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+import torch
+
 from tokenmill.models.loader import cache_root
 
 log = logging.getLogger(__name__)
@@ -82,7 +84,14 @@ def _load() -> ctypes.CDLL | None:
 def library() -> ctypes.CDLL | None:
     """Compile (once per process; cached on disk across processes) and load; None on failure."""
     global _library, _tried
+    if _tried:  # every kernel call comes here: no lock once the library is settled
+        return _library
     with _lock:
         if not _tried:
             _library, _tried = _load(), True
     return _library
+
+
+def supports(device: torch.device, dtype: torch.dtype) -> bool:
+    """Can the kernels run on tensors of this device and dtype (CPU, fp32, built)?"""
+    return device.type == "cpu" and dtype == torch.float32 and library() is not None

@@ -34,10 +34,6 @@ def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def small_batch_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and kernels.library() is not None
-
-
 def blocked_weight(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [N/8, K, 8]: the layout csrc/small_gemm.c streams."""
     n, k = weight.shape
@@ -94,4 +90,3 @@ def pack_linears(model: nn.Module, batch_hint: int, onednn: bool = True, small_b
                 setattr(parent, name, PackedLinear(child, batch_hint, onednn, small_batch))
                 replaced += 1
     return replaced
-

@@ -12,14 +12,6 @@ import torch
 from tokenmill.models import kernels
 
 
-def kernel_available() -> bool:
-    return kernels.library() is not None
-
-
-def supports(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and kernel_available()
-
-
 def paged_decode_attention(
     q: torch.Tensor,  # [S, heads, D], one query token per sequence
     k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, D]
@@ -29,7 +21,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     lib = kernels.library()
-    assert lib is not None, "call kernel_available() first"
+    assert lib is not None, "the CPU kernels did not build (check kernels.supports() first)"
     num_seqs, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.dtype == k_cache.dtype == torch.float32
