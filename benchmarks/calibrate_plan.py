@@ -35,7 +35,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     points = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        llm.engine.config.max_num_seqs = b
+        llm.engine.set_max_num_seqs(b)
         # A distinct first token per request and per run: no prefix-cache hits between them.
         prompts = [{"prompt_token_ids": [1000 + 100 * b + i, *ids[1 : args.input_len]]} for i in range(b)]
         meter, start = CpuMeter(), time.monotonic()

@@ -151,7 +151,7 @@ def scenario_fixed(ctx: Ctx, batch: int) -> Row:
         texts = Texts(ctx.tok, seed=1000 * batch + run)
         prompts = [texts.take(256) for _ in range(batch)]
         params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-        ctx.llm.engine.config.max_num_seqs = batch
+        ctx.llm.engine.set_max_num_seqs(batch)
         eng = timed(lambda: engine_generate(ctx.llm, prompts, params))
         hf = timed(lambda: hf_generate(ctx.hf, [prompts], 64, None))
         gemm = gemm_flops_per_s()
@@ -171,7 +171,7 @@ def scenario_batch1(ctx: Ctx) -> Row:
     def one(run: int) -> dict:  # type: ignore[type-arg]
         prompt = Texts(ctx.tok, seed=77 + run).take(256)
         params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-        ctx.llm.engine.config.max_num_seqs = 1
+        ctx.llm.engine.set_max_num_seqs(1)
         eng = timed(lambda: engine_generate(ctx.llm, [prompt], params))
         out = eng.result[0]  # type: ignore[index]
         decode_s = out.timings.finished - out.timings.first_token
@@ -197,7 +197,7 @@ def scenario_mixed(ctx: Ctx) -> Row:
         prompts = [_chat_ids(ctx, None, "Summarise this text in two sentences:\n"
                              + ctx.tok.decode(texts.take(n))) for n in lens]
         eos = ctx.llm.engine.eos_token_ids
-        ctx.llm.engine.config.max_num_seqs = 64
+        ctx.llm.engine.set_max_num_seqs(64)
         eng = timed(lambda: engine_generate(ctx.llm, prompts, SamplingParams(max_tokens=128, temperature=0)))
         eng_tokens = sum(o.num_output_tokens for o in eng.result)  # type: ignore[attr-defined]
         hf = timed(lambda: hf_generate(ctx.hf, [prompts[i : i + 32] for i in range(0, 128, 32)], 128, eos))
@@ -219,11 +219,10 @@ def scenario_shared(ctx: Ctx) -> Row:
         prompts = [_chat_ids(ctx, instruction, ctx.tok.decode(texts.take(rng.randrange(64, 193))))
                    for _ in range(128)]
         unique = len(prompts[0]) + sum(len(p) - _shared_len(prompts[0], p) for p in prompts[1:])
-        stats = ctx.llm.engine.scheduler.stats
-        before = stats.prefill_tokens
-        ctx.llm.engine.config.max_num_seqs = 64
+        before = ctx.llm.engine.stats().prefill_tokens
+        ctx.llm.engine.set_max_num_seqs(64)
         eng = timed(lambda: engine_generate(ctx.llm, prompts, SamplingParams(max_tokens=8, temperature=0)))
-        computed = stats.prefill_tokens - before
+        computed = ctx.llm.engine.stats().prefill_tokens - before
         eng_tokens = sum(o.num_output_tokens for o in eng.result)  # type: ignore[attr-defined]
         eos = ctx.llm.engine.eos_token_ids
         hf = timed(lambda: hf_generate(ctx.hf, [prompts[i : i + 32] for i in range(0, 128, 32)], 8, eos))

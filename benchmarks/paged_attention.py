@@ -15,9 +15,7 @@ import torch.nn.functional as F
 from timing import median_ms, step_ms
 
 from tokenmill.bench.runner import CpuMeter
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine import EngineConfig, LLMEngine, SamplingParams
 from tokenmill.models import kernels, paged_attention
 from tokenmill.models.loader import load_weights
 
@@ -59,7 +57,7 @@ def engine_steps(batch: int, prompt_len: int) -> None:
         for _ in range(batch):
             prompt = torch.randint(100, 40000, (prompt_len,), generator=gen).tolist()
             engine.add_request(prompt, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
-        while engine.scheduler.stats.prefill_tokens < batch * prompt_len:
+        while engine.stats().prefill_tokens < batch * prompt_len:
             engine.step()
         engines[mode] = engine
     meter = CpuMeter()

@@ -16,9 +16,7 @@ import torch
 from timing import median_ms, step_ms
 
 from tokenmill.bench.runner import CpuMeter
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine import EngineConfig, LLMEngine, SamplingParams
 from tokenmill.models.loader import load_weights
 from tokenmill.models.packed import PackedLinear, small_gemm
 

@@ -6,7 +6,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine import LLMEngine
 
 
 def median_ms(fn: Callable[[], object], repeats: int = 20) -> float:

@@ -7,13 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill.models.loader import LoadedWeights, default_model_path, load_weights
+from tokenmill.environment import embedded_model_path
+from tokenmill.models.loader import LoadedWeights, load_weights
 
 
 @pytest.fixture(scope="session")
 def gguf_path() -> Path:
     try:
-        return default_model_path()
+        return embedded_model_path()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
 

@@ -8,9 +8,7 @@ import pytest
 from tokenmill.bench.metrics import (
     RequestRecord,
     add_gains,
-    cost_per_million,
     median_point,
-    millions_per_dollar,
     percentile,
     phase_rates,
     summarize,
@@ -45,14 +43,6 @@ def test_percentile_edges() -> None:
     assert percentile([1, 2, 3, 4], 95) == pytest.approx(3.85)
     with pytest.raises(ValueError):
         percentile([1.0], 101)
-
-
-def test_cost_formula() -> None:
-    # The study's second-source example: $25/h at 6,000 tok/s is about $1.16 per million.
-    assert cost_per_million(25, 6000) == pytest.approx(25 / (6000 * 3600) * 1e6)
-    assert round(cost_per_million(25, 6000), 2) == 1.16
-    assert millions_per_dollar(25, 6000) == pytest.approx(1 / 1.1574, rel=1e-4)
-    assert cost_per_million(1.0, 0) is None
 
 
 def test_phase_rates_do_not_count_tokens_made_during_prefill() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tokenmill.jobs.runner import BackendStats, ResultSink, StopFlag
+from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
 from tokenmill.jobs.spec import BatchRequest
 
 

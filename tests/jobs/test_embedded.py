@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
+from tokenmill.jobs.config import JobConfig
 from tokenmill.jobs.embedded import EmbeddedBackend
-from tokenmill.jobs.runner import BackendStats, JobConfig, ResultSink, StopFlag, run_job
+from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.spec import BatchRequest, DocumentOptions
 from tokenmill.models.loader import LoadedWeights
 

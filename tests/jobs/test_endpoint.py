@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tokenmill.jobs.config import JobConfig
 from tokenmill.jobs.endpoint import EndpointBackend, RetryPolicy, parse_retry_after
-from tokenmill.jobs.runner import JobConfig, run_job
+from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.spec import DocumentOptions
 
 from .conftest import assert_exactly_once, batch_line, read_jsonl, write_jsonl

@@ -20,10 +20,12 @@ from typing import Any
 import pytest
 
 from tokenmill import LLM
+from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
+from tokenmill.jobs.config import JobConfig
 from tokenmill.jobs.embedded import EmbeddedBackend
 from tokenmill.jobs.endpoint import EndpointBackend, RetryPolicy
 from tokenmill.jobs.output import JobFailed, encode_row
-from tokenmill.jobs.runner import BackendStats, JobConfig, ResultSink, StopFlag, run_job
+from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.spec import BatchRequest, DocumentOptions
 from tokenmill.models.loader import LoadedWeights
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from tokenmill.cli import main
+from tokenmill.jobs.config import JobConfig
 from tokenmill.jobs.output import JobError, encode_row, result_row
-from tokenmill.jobs.runner import JobConfig, order_entries, run_job
+from tokenmill.jobs.runner import order_entries, run_job
 from tokenmill.jobs.spec import DocumentOptions, Entry
 
 from .conftest import EchoBackend, assert_exactly_once, batch_line, read_jsonl, write_jsonl

@@ -71,7 +71,7 @@ def test_auto_keeps_the_second_weight_copy_only_where_memory_allows(
     weights = load_weights(str(tiny_llama))
     assert _uses_kernel(LLM(weights=weights, num_kv_blocks=8))
     assert not _uses_kernel(LLM(weights=weights, num_kv_blocks=8, small_batch_linear="off"))
-    monkeypatch.setattr(llm_engine, "_free_memory", lambda device: 1024)  # the copy would not fit
+    monkeypatch.setattr(llm_engine, "free_memory", lambda device: 1024)  # the copy would not fit
     assert not _uses_kernel(LLM(weights=weights, num_kv_blocks=8))
     assert _uses_kernel(LLM(weights=weights, num_kv_blocks=8, small_batch_linear="kernel"))
 

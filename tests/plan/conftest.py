@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.plan.catalog import HardwareSpec
+from tokenmill.plan.hardware import HardwareSpec
 
 REPO = Path(__file__).resolve().parents[2]
 STUDY = REPO.parent / "shared" / "reference" / "batch-study.md"

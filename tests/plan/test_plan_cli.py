@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tokenmill.plan import cli
-from tokenmill.plan.catalog import HardwareSpec
+from tokenmill.plan.hardware import HardwareSpec
 
 LLAMA_2XA100 = ["--model", "llama-3.1-70b", "--hardware", "a100-80gb", "--num-devices", "2",
                 "--tp", "2"]

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from tokenmill.environment import embedded_model_path
 from tokenmill.plan.errors import PlanError
-from tokenmill.plan.models import (
+from tokenmill.plan.model_specs import (
     PRESET_CONFIGS,
-    find_embedded_gguf,
     kv_elements_per_token,
     load_model,
     param_counts,
@@ -133,7 +133,7 @@ def test_gguf_metadata(smollm2_gguf: Path) -> None:
 
 
 def test_default_model_is_the_embedded_gguf(smollm2_gguf: Path) -> None:
-    assert find_embedded_gguf() == smollm2_gguf
+    assert embedded_model_path() == smollm2_gguf
     assert load_model(None).source == str(smollm2_gguf)
 
 

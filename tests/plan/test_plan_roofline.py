@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.plan.catalog import CATALOG, HardwareSpec
+from tokenmill.plan.catalog import CATALOG
 from tokenmill.plan.errors import PlanError
-from tokenmill.plan.models import load_model, param_counts, preset
+from tokenmill.plan.hardware import HardwareSpec
+from tokenmill.plan.model_specs import load_model, param_counts, preset
 from tokenmill.plan.roofline import (
     PlanConfig,
     compute_bound_from,

@@ -12,7 +12,7 @@ import pytest
 
 from tokenmill.plan.catalog import CATALOG
 from tokenmill.plan.errors import PlanError
-from tokenmill.plan.models import preset
+from tokenmill.plan.model_specs import preset
 from tokenmill.plan.roofline import make_plan, make_setup, memory_plan
 from tokenmill.plan.study import (
     Deployment,

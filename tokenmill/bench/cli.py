@@ -9,6 +9,8 @@ from typing import Any
 
 from tokenmill.bench.runner import SweepConfig, run_sweep
 from tokenmill.bench.workloads import DISTRIBUTIONS, LengthSpec, Workload
+from tokenmill.engine.args import add_engine_arguments, engine_kwargs
+from tokenmill.environment import CLIENT_API_KEY_ENV, client_api_key
 
 # The protocol of the published batch-throughput study (docs/bench.md, batch-study.md).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -22,17 +24,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run a sweep (default) or compare bench JSON files")
     p.add_argument("files", nargs="*", type=Path, help="compare: bench JSON files")
     t = p.add_argument_group("target")
-    t.add_argument("--model", help="embedded engine: GGUF, HF folder or hub id (default: embedded SmolLM2)")
     t.add_argument("--endpoint", help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
     t.add_argument("--endpoint-model", help="model name to send (default: the first of /v1/models)")
-    t.add_argument("--api-key", help="bearer token for the endpoint")
+    t.add_argument("--api-key", help=f"bearer token for the endpoint (default: ${' or $'.join(CLIENT_API_KEY_ENV)})")
     t.add_argument("--tokenizer", help="tokenizer for building endpoint prompts (HF id/folder or .gguf; "
                    "default: the embedded model's)")
     t.add_argument("--plain-openai", action="store_true",
                    help="endpoint: do not send min_tokens / ignore_eos (strict OpenAI servers)")
-    t.add_argument("--max-model-len", type=int, help="embedded: context length")
-    t.add_argument("--max-num-batched-tokens", type=int, help="embedded: token budget per step")
-    t.add_argument("--num-threads", type=int, help="embedded: torch CPU threads")
     w = p.add_argument_group("workload")
     w.add_argument("--preset", choices=sorted(PRESETS), help="seed-batch: batch 1,8,32,64, 2048 in / 512 out, 3 runs")
     w.add_argument("--input-len", type=int, help=f"input tokens (mean for distributions; {DEFAULTS['input_len']})")
@@ -52,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--price-per-hour", help="$ per hour, or a hardware name from the planner's catalog")
     s.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (bench-results/)")
+    # The sweep sets max_num_seqs (the largest batch size); --seed above seeds the workload; --tokenizer
+    # above builds endpoint prompts.
+    add_engine_arguments(p, exclude=("max_num_seqs", "seed", "tokenizer"),
+                         title="the embedded engine (EngineConfig; not used with --endpoint)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if args.files:
         raise ValueError(f"bench: unexpected arguments {[str(f) for f in args.files]} (did you mean compare?)")
     workload, cfg = resolve(args)
-    target = build_target(args, max(cfg.batch_sizes))
+    target = build_target(args, max(*cfg.batch_sizes, cfg.warmup))  # the warm-up runs as one batch too
     result = run_sweep(target, workload, cfg, log=lambda m: print(m, file=sys.stderr))
     from tokenmill.bench.report import terminal, to_json, write_all
 
@@ -122,26 +124,20 @@ def build_target(args: argparse.Namespace, max_batch: int) -> Any:
         from tokenmill.bench.endpoint import EndpointTarget
 
         return EndpointTarget(args.endpoint, load_tokenizer(args.tokenizer), args.endpoint_model,
-                              args.api_key, args.plain_openai)
-    from tokenmill import LLM
+                              client_api_key(args.api_key), args.plain_openai)
     from tokenmill.bench.embedded import EmbeddedTarget
-    from tokenmill.models.loader import default_model_path
+    from tokenmill.engine import LLM
+    from tokenmill.environment import embedded_model_path
 
-    config = {k: v for k, v in (("max_model_len", args.max_model_len),
-                                ("max_num_batched_tokens", args.max_num_batched_tokens),
-                                ("num_threads", args.num_threads)) if v}
-    llm = LLM(args.model, max_num_seqs=max_batch, **config)
-    name = args.model or f"{default_model_path().stem} (embedded)"
+    llm = LLM(**engine_kwargs(args), max_num_seqs=max_batch)
+    name = args.model or f"{embedded_model_path().stem} (embedded)"
     return EmbeddedTarget(llm, name)
 
 
 def load_tokenizer(source: str | None) -> Any:
-    from tokenmill.models.loader import _cached_gguf_tokenizer, _load_tokenizer, default_model_path
+    from tokenmill.models import loader
 
-    if source is None or source.endswith(".gguf"):
-        tok = _cached_gguf_tokenizer(Path(source) if source else default_model_path())
-    else:
-        tok = _load_tokenizer(source)
+    tok = loader.load_tokenizer(source)
     if tok is None:
         raise ValueError(f"tokenizer: could not load one from {source or 'the embedded model'}")
     return tok

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.report import _md_table, fmt, plot_sweep, study_row
+from tokenmill.bench.report import fmt, md_table, plot_sweep, study_row
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -56,8 +56,8 @@ def run_compare(paths: list[Path], out: Path | None) -> str:
         raise ValueError("compare: give at least one bench JSON file")
     datasets = [load(p) for p in paths]
     shapes = {(d["input_len"], d["output_len"]) for d in datasets}
-    text = "# tokenmill bench compare\n\n" + _md_table(compare_rows(datasets)) + "\n\n"
-    text += "## In the shape of the published study\n\n" + _md_table([study_row(d) for d in datasets]) + "\n"
+    text = "# tokenmill bench compare\n\n" + md_table(compare_rows(datasets)) + "\n\n"
+    text += "## In the shape of the published study\n\n" + md_table([study_row(d) for d in datasets]) + "\n"
     if len(shapes) > 1:
         text += "\nWarning: the files used different input/output lengths; their numbers are not comparable.\n"
     if out is not None:

@@ -8,26 +8,19 @@ each time a request's output grows, which gives TTFT and every inter-token gap.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 from tokenmill.bench.metrics import RequestRecord
+from tokenmill.bench.runner import RunOutcome
 from tokenmill.bench.workloads import Request
-
-
-@dataclass
-class RunOutcome:
-    records: list[RequestRecord]
-    wall_s: float
-    peak_kv_usage: float | None = None
-    preemptions: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+from tokenmill.engine import LLM, RequestOutput, SamplingParams
 
 
 class EmbeddedTarget:
     kind = "embedded"
 
-    def __init__(self, llm: Any, model_name: str) -> None:
+    def __init__(self, llm: LLM, model_name: str) -> None:
         self.llm = llm
         self.engine = llm.engine
         self.label = model_name
@@ -39,16 +32,13 @@ class EmbeddedTarget:
     def describe(self) -> dict[str, Any]:
         settings = asdict(self.engine.config)
         settings["max_model_len_resolved"] = self.engine.max_model_len
-        settings["num_kv_blocks"] = self.engine.block_manager.num_blocks
+        settings["num_kv_blocks"] = self.engine.num_kv_blocks
         return {"kind": self.kind, "model": self.label, "engine": settings}
 
     def run(self, requests: list[Request], batch_size: int) -> RunOutcome:
-        from tokenmill import SamplingParams
-
         engine = self.engine
-        engine.config.max_num_seqs = batch_size  # read by the scheduler at every step
-        stats = engine.scheduler.stats
-        pre0, prefill0, decode0 = stats.num_preemptions, stats.prefill_tokens, stats.decode_tokens
+        engine.set_max_num_seqs(batch_size)
+        before = engine.stats()
         t0 = time.monotonic()
         records: dict[str, RequestRecord] = {}
         for i, req in enumerate(requests):
@@ -62,16 +52,18 @@ class EmbeddedTarget:
         while engine.has_unfinished_requests():
             outputs = engine.step()
             now = time.monotonic() - t0
-            peak_kv = max(peak_kv, engine.scheduler.metrics().kv_usage)
+            peak_kv = max(peak_kv, engine.metrics().kv_usage)
             for out in outputs:
                 _update(records[out.request_id], out, now)
         wall = time.monotonic() - t0
-        extra = {"engine_prefill_tokens": stats.prefill_tokens - prefill0,
-                 "engine_decode_tokens": stats.decode_tokens - decode0}
-        return RunOutcome(list(records.values()), wall, peak_kv, stats.num_preemptions - pre0, extra)
+        after = engine.stats()
+        extra = {"engine_prefill_tokens": after.prefill_tokens - before.prefill_tokens,
+                 "engine_decode_tokens": after.decode_tokens - before.decode_tokens}
+        return RunOutcome(list(records.values()), wall, peak_kv, after.num_preemptions - before.num_preemptions,
+                          extra)
 
 
-def _update(rec: RequestRecord, out: Any, now: float) -> None:
+def _update(rec: RequestRecord, out: RequestOutput, now: float) -> None:
     """Record one step's progress; a step adds at most one token per request."""
     while len(rec.token_times) < out.num_output_tokens:
         rec.token_times.append(now)

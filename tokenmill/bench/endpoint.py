@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 
-from tokenmill.bench.embedded import RunOutcome
 from tokenmill.bench.metrics import RequestRecord
+from tokenmill.bench.runner import RunOutcome
 from tokenmill.bench.workloads import Request
 
 

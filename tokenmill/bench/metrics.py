@@ -8,7 +8,7 @@ run (the moment the first request was offered). Definitions (also in docs/bench.
 - TPOT = (E2E - TTFT) / (output_tokens - 1); undefined for one-token outputs.
 - per-request output tok/s = output_tokens / E2E (what one caller sees, TTFT included).
 - percentile: linear interpolation between closest ranks, numpy's default ("linear").
-- $/M tokens = price_per_hour / (tokens_per_s x 3600) x 1e6.
+- $/M tokens = price_per_hour / (tokens_per_s x 3600) x 1e6 (tokenmill/cost.py).
 """
 
 from __future__ import annotations
@@ -67,18 +67,6 @@ def percentile(values: list[float], q: float) -> float | None:
     rank = q / 100 * (len(v) - 1)
     lo, hi = math.floor(rank), math.ceil(rank)
     return v[lo] + (v[hi] - v[lo]) * (rank - lo)
-
-
-def cost_per_million(price_per_hour: float, tokens_per_s: float) -> float | None:
-    """$ per million tokens at a steady tokens_per_s on hardware costing price_per_hour."""
-    if tokens_per_s <= 0:
-        return None
-    return price_per_hour / (tokens_per_s * 3600) * 1e6
-
-
-def millions_per_dollar(price_per_hour: float, tokens_per_s: float) -> float | None:
-    cost = cost_per_million(price_per_hour, tokens_per_s)
-    return None if not cost else 1 / cost
 
 
 def _rate(tokens: float, seconds: float | None) -> float | None:

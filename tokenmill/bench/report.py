@@ -8,8 +8,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.metrics import cost_per_million, millions_per_dollar
 from tokenmill.bench.runner import SweepResult
+from tokenmill.cost import millions_per_usd, usd_per_million
 
 # (key, header, format) for the per-point tables; times in the JSON are seconds, shown in ms.
 COLUMNS: list[tuple[str, str, str]] = [
@@ -50,8 +50,8 @@ def point_dict(point: Any, price: float | None) -> dict[str, Any]:
     d = asdict(point)
     d["shape"] = f"{d['input_len_mean']:.0f}/{d['output_len_mean']:.0f}"
     for name, tps in (("output", d["output_tokens_per_s"]), ("total", d["total_tokens_per_s"])):
-        d[f"usd_per_m_{name}"] = cost_per_million(price, tps) if price is not None else None
-        d[f"m_{name}_per_usd"] = millions_per_dollar(price, tps) if price is not None else None
+        d[f"usd_per_m_{name}"] = usd_per_million(price, tps) if price is not None else None
+        d[f"m_{name}_per_usd"] = millions_per_usd(price, tps) if price is not None else None
     return d
 
 
@@ -121,7 +121,7 @@ def study_row(data: dict[str, Any]) -> dict[str, str]:
     }
 
 
-def _md_table(rows: list[dict[str, str]]) -> str:
+def md_table(rows: list[dict[str, str]]) -> str:
     head = list(rows[0])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r[h] for h in head) + " |" for r in rows]
@@ -147,11 +147,11 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         "## In the shape of the published study",
         "",
-        _md_table([study_row(data)]),
+        md_table([study_row(data)]),
         "",
         "## Every point",
         "",
-        _md_table(point_rows(data["points"])),
+        md_table(point_rows(data["points"])),
         "",
     ]
     if data["warnings"]:

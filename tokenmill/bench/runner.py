@@ -11,9 +11,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tokenmill.bench.embedded import RunOutcome
 from tokenmill.bench.metrics import PointResult, RequestRecord, add_gains, median_point, summarize
 from tokenmill.bench.workloads import Corpus, LengthSpec, Request, Workload
+
+
+@dataclass
+class RunOutcome:
+    """What a target hands back for one run: every request's timeline, and what only it can see."""
+
+    records: list[RequestRecord]
+    wall_s: float
+    peak_kv_usage: float | None = None
+    preemptions: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Target(Protocol):

@@ -1,9 +1,25 @@
-"""The embedded inference engine: scheduler, paged KV cache, model runner."""
+"""The embedded inference engine: scheduler, paged KV cache, model runner.
+
+Code outside this package uses what is exported here (and `tokenmill.engine.args` for the
+command-line flags); the scheduler, block manager and runner stay inside.
+"""
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm import LLM
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.llm_engine import EngineRequest, LLMEngine, Prompt
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
+from tokenmill.engine.scheduler import SchedulerMetrics, SchedulerStats
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "LLM",
+    "EngineConfig",
+    "EngineRequest",
+    "LLMEngine",
+    "Prompt",
+    "RequestOutput",
+    "SamplingParams",
+    "SchedulerMetrics",
+    "SchedulerStats",
+]

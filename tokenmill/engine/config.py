@@ -1,8 +1,14 @@
-"""One dataclass holding every engine setting, validated up front."""
+"""One dataclass holding every engine setting, validated up front.
+
+Each field carries its help text (and its allowed values, where there is a fixed list): the
+command-line flags of every command that builds an engine are generated from them
+(engine/args.py), so a new field is a new flag everywhere at once.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -12,38 +18,47 @@ DECODE_ATTENTION = ("auto", "kernel", "sdpa")
 SMALL_BATCH_LINEAR = ("auto", "kernel", "off")
 
 
+def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to know; `None` means "derive it from the model/machine"."""
 
-    model: str | None = None  # GGUF file, HF folder or hub id; None = the embedded default
-    tokenizer: str | None = None  # defaults to the model's own tokenizer
-    dtype: str = "float32"  # fp32 on CPU: no native bf16 GEMM there
-    device: str = "auto"  # "auto" = cuda if available else cpu
-    max_num_seqs: int = 64  # sequences in the running batch at once
-    max_num_batched_tokens: int = 2048  # token budget of one step (prefill + decode)
-    max_model_len: int | None = None  # context length; default: the model's
-    block_size: int = 16  # tokens per KV-cache block
-    kv_cache_bytes: int | None = None  # explicit KV budget in bytes
-    kv_cache_memory_fraction: float = 0.4  # else: this fraction of free memory (after weights)
-    num_kv_blocks: int | None = None  # explicit block count; overrides both budgets (tests)
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True  # split long prompts across steps under the budget
-    scheduling_policy: str = "fcfs"  # fcfs | priority (lower value first) | length (shortest first)
-    length_aging_s: float = 10.0  # "length": never passed by a request arriving this much later
-    max_preemptions: int = 3  # after this many, a request is preempted only as a last resort
-    kv_watermark: float = 0.01  # admissions keep this fraction of blocks free for running requests
-    seed: int = 0  # seed for requests that do not bring their own
-    num_threads: int | None = None  # torch CPU threads; None = torch's default
-    pack_weights: bool = True  # CPU: pre-pack linear weights for oneDNN (much faster small GEMMs)
-    # Decode attention: "kernel" reads the paged cache in place (CPU fp32; compiled on first
-    # use), "sdpa" gathers blocks and calls PyTorch SDPA, "auto" = kernel where it builds.
-    decode_attention: str = "auto"
-    # Linear layers of steps with few tokens (batch-1 decode): "kernel" streams the weights with
-    # a small C kernel (CPU fp32) at 1.3-1.7x oneDNN's speed, at the cost of a second copy of
-    # the weights; "auto" = the kernel where it builds and the copy fits in a quarter of the
-    # free memory; "off" = oneDNN (or F.linear) at every size.
-    small_batch_linear: str = "auto"
+    model: str | None = _setting(None, "GGUF file, Hugging Face folder or hub id (default: the embedded SmolLM2)")
+    tokenizer: str | None = _setting(None, "tokenizer folder or hub id (default: the model's own)")
+    dtype: str = _setting("float32", "weights and activations (fp32 on CPU: no native bf16 GEMM there)",
+                          tuple(_DTYPES))
+    device: str = _setting("auto", "auto (cuda if available, else cpu), cpu or cuda[:N]")
+    max_num_seqs: int = _setting(64, "sequences in the running batch at once")
+    max_num_batched_tokens: int = _setting(2048, "token budget of one step, prefill and decode together")
+    max_model_len: int | None = _setting(
+        None, "context length; longer prompts are refused with the reason (default: the model's)")
+    block_size: int = _setting(16, "tokens per KV-cache block")
+    kv_cache_bytes: int | None = _setting(None, "KV-cache budget in bytes")
+    kv_cache_memory_fraction: float = _setting(
+        0.4, "without --kv-cache-bytes: this fraction of the memory free after loading the weights")
+    num_kv_blocks: int | None = _setting(None, "KV-cache blocks; overrides both budgets")
+    enable_prefix_caching: bool = _setting(True, "reuse the KV of shared prompt prefixes")
+    enable_chunked_prefill: bool = _setting(True, "split long prompts across steps under the token budget")
+    scheduling_policy: str = _setting(
+        "fcfs", "fcfs; priority (a request's priority, lower first); length (shortest remaining "
+        "prefill first, with aging)", SCHEDULING_POLICIES)
+    length_aging_s: float = _setting(
+        10.0, "under 'length': a request is never passed by one that arrived this many seconds later")
+    max_preemptions: int = _setting(3, "after this many, a request is preempted only as a last resort")
+    kv_watermark: float = _setting(0.01, "admissions keep this fraction of KV blocks free for running requests")
+    seed: int = _setting(0, "seeds the requests that do not bring their own seed")
+    num_threads: int | None = _setting(None, "torch CPU threads (default: torch's)")
+    pack_weights: bool = _setting(True, "CPU: pre-pack linear weights for oneDNN (much faster small GEMMs)")
+    decode_attention: str = _setting(
+        "auto", "kernel: decodes read the paged cache in place with a C kernel (CPU fp32, compiled on first "
+        "use); sdpa: gather blocks + PyTorch SDPA; auto: the kernel where it builds", DECODE_ATTENTION)
+    small_batch_linear: str = _setting(
+        "auto", "kernel: steps of up to 16 tokens stream the weights with a C kernel (CPU fp32, 1.3-1.7x "
+        "oneDNN) at the cost of a second copy of them; off: oneDNN at every size; auto: the kernel where "
+        "it builds and the copy fits in a quarter of free memory", SMALL_BATCH_LINEAR)
 
     def __post_init__(self) -> None:
         self._check_positive("max_num_seqs", "max_num_batched_tokens", "block_size")
@@ -60,22 +75,10 @@ class EngineConfig:
                 "EngineConfig.kv_cache_memory_fraction must be in (0, 1], "
                 f"got {self.kv_cache_memory_fraction}"
             )
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"EngineConfig.scheduling_policy must be one of {SCHEDULING_POLICIES}, "
-                f"got {self.scheduling_policy!r}"
-            )
-        if self.decode_attention not in DECODE_ATTENTION:
-            raise ValueError(
-                f"EngineConfig.decode_attention must be one of {DECODE_ATTENTION}, got {self.decode_attention!r}"
-            )
-        if self.small_batch_linear not in SMALL_BATCH_LINEAR:
-            raise ValueError(
-                f"EngineConfig.small_batch_linear must be one of {SMALL_BATCH_LINEAR}, "
-                f"got {self.small_batch_linear!r}"
-            )
+        for f in fields(self):
+            choices = f.metadata["choices"]
+            if choices is not None and getattr(self, f.name) not in choices:
+                raise ValueError(f"EngineConfig.{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"EngineConfig.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

@@ -51,11 +51,11 @@ class LLM:
             param_list = list(params)
             if len(param_list) != len(prompt_list):
                 raise ValueError(f"{len(param_list)} SamplingParams for {len(prompt_list)} prompts")
-        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompt_list, param_list, strict=True)]
-        for seq in seqs:
-            self.engine.add_sequence(seq)
-        finished = self._run_to_completion(len(seqs), progress)
-        return [finished[seq.request_id] for seq in seqs]
+        requests = [self.engine.process_request(p, sp) for p, sp in zip(prompt_list, param_list, strict=True)]
+        for request in requests:
+            self.engine.add_processed(request)
+        finished = self._run_to_completion(len(requests), progress)
+        return [finished[request.request_id] for request in requests]
 
     def chat(
         self,
@@ -83,8 +83,7 @@ class LLM:
 
     def _run_to_completion(self, total: int, progress: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        stats = self.engine.scheduler.stats
-        prefill0, decode0, start = stats.prefill_tokens, stats.decode_tokens, time.monotonic()
+        before, start = self.engine.stats(), time.monotonic()
         columns = (
             TextColumn("[bold]generate"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[speed]}"), TimeElapsedColumn(),
@@ -96,9 +95,10 @@ class LLM:
                     if out.finished:
                         finished[out.request_id] = out
                 elapsed = max(time.monotonic() - start, 1e-9)
+                now = self.engine.stats()
                 speed = (
-                    f"prefill {(stats.prefill_tokens - prefill0) / elapsed:,.0f} tok/s · "
-                    f"decode {(stats.decode_tokens - decode0) / elapsed:,.0f} tok/s"
+                    f"prefill {(now.prefill_tokens - before.prefill_tokens) / elapsed:,.0f} tok/s · "
+                    f"decode {(now.decode_tokens - before.decode_tokens) / elapsed:,.0f} tok/s"
                 )
                 bar.update(task, completed=len(finished), speed=speed)
         return finished

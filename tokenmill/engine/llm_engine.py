@@ -1,11 +1,14 @@
-"""The engine loop (`add_request`, `step`, `abort_request`) and the offline `LLM` API."""
+"""The engine loop: `add_request`, `step`, `abort_request`, the stop rules, and the counters
+callers read (`stats`, `metrics`). The offline `LLM` API drives it from engine/llm.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,17 +19,30 @@ from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.scheduler import Scheduler
-from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.scheduler import Scheduler, SchedulerMetrics, SchedulerStats
+from tokenmill.engine.sequence import RequestTimings, Sequence
 from tokenmill.models import kernels
+from tokenmill.models.build import build_model, free_memory, weight_bytes
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.llama import CausalLM, fuse_projections
 from tokenmill.models.loader import LoadedWeights, load_weights
-from tokenmill.models.packed import onednn_packing_available, pack_linears
 
 log = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request validated and tokenized by `LLMEngine.process_request`, which may run on any
+    thread, waiting to be added with `add_processed` on the thread that owns the engine."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    seed: int
+    arrival: float  # time.monotonic() when processed: a wait before `add_processed` counts
 
 
 class LLMEngine:
@@ -89,8 +105,8 @@ class LLMEngine:
             return False
         if self.config.small_batch_linear == "auto":
             # The kernel keeps its own copy of the weights: about the model's size once more.
-            copy_bytes = sum(t.numel() for t in weights.state_dict.values()) * self.config.torch_dtype.itemsize
-            if copy_bytes > _free_memory(self.device) // 4:
+            copy_bytes = weight_bytes(weights, self.config.torch_dtype)
+            if copy_bytes > free_memory(self.device) // 4:
                 log.info("small-batch linear kernel off: a %.0f MiB weight copy is over a quarter of free "
                          "memory", copy_bytes / 2**20)
                 return False
@@ -102,7 +118,7 @@ class LLMEngine:
             return cfg.num_kv_blocks
         dtype_bytes = torch.finfo(cfg.torch_dtype).bits // 8
         block_bytes = self.model_config.kv_bytes_per_token(dtype_bytes) * bs
-        budget = cfg.kv_cache_bytes or int(cfg.kv_cache_memory_fraction * _free_memory(self.device))
+        budget = cfg.kv_cache_bytes or int(cfg.kv_cache_memory_fraction * free_memory(self.device))
         # More than every running sequence at full length would never be used.
         useful = cfg.max_num_seqs * -(-self.max_model_len // bs)
         blocks = min(budget // block_bytes, useful)
@@ -137,14 +153,17 @@ class LLMEngine:
             return None, [int(t) for t in prompt]
         raise TypeError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def make_sequence(
+    def process_request(
         self,
         prompt: Prompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
-    ) -> Sequence:
-        """Validate a request; raises ValueError naming the problem and changes no state."""
+    ) -> EngineRequest:
+        """Validate and tokenize; raises ValueError naming the problem and changes no state.
+
+        Safe off the engine's thread when `params.seed` is set (otherwise a seed is drawn from
+        the engine's own generator)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
@@ -154,10 +173,7 @@ class LLMEngine:
         seed = params.seed
         if seed is None:
             seed = int(torch.randint(2**62, (1,), generator=self._seeds))
-        return Sequence(
-            request_id, ids, params, prompt=text, priority=priority,
-            generator=torch.Generator().manual_seed(seed),
-        )
+        return EngineRequest(request_id, text, ids, params, priority, seed, time.monotonic())
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -186,9 +202,18 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> str:
-        return self.add_sequence(self.make_sequence(prompt, params, request_id, priority))
+        """Validate, tokenize and queue a request (lower `priority` first under the "priority"
+        policy); returns its id. ValueError names what is wrong and nothing is queued."""
+        return self.add_processed(self.process_request(prompt, params, request_id, priority))
 
-    def add_sequence(self, seq: Sequence) -> str:
+    def add_processed(self, request: EngineRequest) -> str:
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        seq = Sequence(
+            request.request_id, request.prompt_token_ids, request.params, prompt=request.prompt,
+            priority=request.priority, generator=torch.Generator().manual_seed(request.seed),
+            timings=RequestTimings(request.arrival),
+        )
         self._requests[seq.request_id] = (seq, IncrementalDetokenizer(self.tokenizer))
         self.scheduler.add(seq)
         return seq.request_id
@@ -200,8 +225,38 @@ class LLMEngine:
         self.scheduler.finish(entry[0], "abort")
         return self._output(entry[0])
 
+    def has_started(self, request_id: str) -> bool:
+        """Has any of this request's tokens been scheduled yet? (False once it has finished.)"""
+        entry = self._requests.get(request_id)
+        return entry is not None and entry[0].timings.scheduled is not None
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    # ---- what callers may read and set ---------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        """A copy of the cumulative counters (tokens prefilled and decoded, preemptions, prefix
+        cache): take one before and one after some work and subtract."""
+        return dataclasses.replace(self.scheduler.stats)
+
+    def metrics(self) -> SchedulerMetrics:
+        """Running and waiting counts, KV-cache usage and the counters, as one snapshot that is
+        safe to read on another thread."""
+        return self.scheduler.metrics()
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    def set_max_num_seqs(self, max_num_seqs: int) -> None:
+        """Cap the running batch at or below `config.max_num_seqs` (the KV cache was sized for
+        that), so one engine can be measured at several batch sizes."""
+        if not 1 <= max_num_seqs <= self.config.max_num_seqs:
+            raise ValueError(
+                f"max_num_seqs must be in [1, {self.config.max_num_seqs}] (the engine was built for "
+                f"{self.config.max_num_seqs}), got {max_num_seqs}"
+            )
+        self.scheduler.max_num_seqs = max_num_seqs
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -274,45 +329,3 @@ class LLMEngine:
             finished=seq.is_finished,
         )
 
-
-def build_model(
-    weights: LoadedWeights,
-    max_positions: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    pack_weights: bool = True,
-    batch_hint: int = 2048,
-    small_batch_kernel: bool = False,
-) -> CausalLM:
-    with torch.device("meta"):
-        model = CausalLM(weights.config)
-    state = {k: v.to(dtype) for k, v in weights.state_dict.items() if "rotary_emb" not in k}
-    state = fuse_projections(state)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if weights.config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-        missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unexpected:
-        raise ValueError(
-            f"{weights.source}: weights do not match the {weights.config.model_type} architecture "
-            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
-        )
-    model.init_rope(max_positions)
-    model = model.to(device).eval()
-    onednn = pack_weights and onednn_packing_available(device, dtype)
-    if onednn or small_batch_kernel:
-        pack_linears(model, batch_hint, onednn=onednn, small_batch=small_batch_kernel)
-    return model
-
-
-def _free_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        import os
-
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -7,19 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.sampler import Sampler
-from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.scheduler import ScheduledSequence
 from tokenmill.models.llama import AttentionGroup, AttentionMetadata, CausalLM
-
-
-@dataclass
-class ScheduledSequence:
-    seq: Sequence
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """Does this step compute the seq's last known token (so a next token is due)?"""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The one default for how many tokens a request may generate, wherever it does not say: the
+# offline API, `tokenmill generate`, batch-job rows and server requests without max_tokens.
+# Batch answers (labels, extractions, summaries) fit; a longer answer asks for more.
+DEFAULT_MAX_TOKENS = 256
+
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     min_tokens: int = 0  # EOS and stop tokens are suppressed until this many are generated
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = off

@@ -11,24 +11,31 @@ untouched, so admissions do not immediately cause preemptions.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
 
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.model_runner import ScheduledSequence
 from tokenmill.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Does this step compute the seq's last known token (so a next token is due)?"""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -45,8 +52,6 @@ class SchedulerStats:
     num_steps: int = 0
     prefill_tokens: int = 0  # tokens computed that were already known (prompt or recompute)
     decode_tokens: int = 0  # tokens computed that came from the previous sample
-    last_step_tokens: int = 0  # tokens scheduled in the most recent step
-    max_step_tokens: int = 0
 
 
 @dataclass
@@ -57,10 +62,6 @@ class SchedulerMetrics:
     num_waiting: int
     kv_usage: float
     stats: SchedulerStats
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.stats.prefix_cache_hits / max(1, self.stats.prefix_cache_queries)
 
 
 class Scheduler:
@@ -75,6 +76,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
+        # The running batch's cap: config.max_num_seqs, or lower (LLMEngine.set_max_num_seqs).
+        self.max_num_seqs = config.max_num_seqs
         self._arrivals = itertools.count()
         self._watermark = int(config.kv_watermark * block_manager.num_blocks)
 
@@ -83,7 +86,9 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def metrics(self) -> SchedulerMetrics:
-        return SchedulerMetrics(len(self.running), len(self.waiting), self.block_manager.usage, self.stats)
+        """A snapshot with its own copy of the counters, safe to read on another thread."""
+        stats = dataclasses.replace(self.stats)
+        return SchedulerMetrics(len(self.running), len(self.waiting), self.block_manager.usage, stats)
 
     def add(self, seq: Sequence) -> None:
         seq.arrival_order = next(self._arrivals)
@@ -119,8 +124,6 @@ class Scheduler:
         for item in out.scheduled:
             if item.seq.timings.scheduled is None:
                 item.seq.timings.scheduled = now
-        self.stats.last_step_tokens = out.num_batched_tokens
-        self.stats.max_step_tokens = max(self.stats.max_step_tokens, out.num_batched_tokens)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -155,7 +158,7 @@ class Scheduler:
         now = time.monotonic()
         pending = self._blocks_being_computed()
         for seq in sorted(self.waiting, key=lambda s: self._waiting_key(s, now)):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             hits = bm.find_cached_prefix(seq)
             if self._waits_for_shared_prefix(seq, len(hits), pending):

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from tokenmill.engine import DEFAULT_MAX_TOKENS
+from tokenmill.engine.args import add_engine_arguments, engine_kwargs
+from tokenmill.environment import CLIENT_API_KEY_ENV, client_api_key
+from tokenmill.jobs.backend import Backend
+from tokenmill.jobs.config import ORDERS, JobConfig
 from tokenmill.jobs.output import JobError, JobFailed
-from tokenmill.jobs.runner import ORDERS, Backend, JobConfig, run_job
+from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.spec import FORMATS, DocumentOptions
 
-API_KEY_ENV = ("TOKENMILL_API_KEY", "OPENAI_API_KEY")
 EXIT_JOB_FAILED = 3  # started, then could not go on (a stalled Ray job); a re-run resumes
 
 
@@ -26,23 +29,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     docs = parser.add_argument_group("turning documents into requests (and filling request bodies)")
     docs.add_argument("--system", help="system message for each document (and message lists without one)")
     docs.add_argument("--template", help='user message with "{text}" where the document goes')
-    docs.add_argument("--max-tokens", type=int, help="for bodies without max_tokens (default 256)")
+    docs.add_argument("--max-tokens", type=int,
+                      help=f"for bodies without max_tokens (default {DEFAULT_MAX_TOKENS})")
     docs.add_argument("--temperature", type=float, help="for bodies without temperature (default 1.0)")
     docs.add_argument("--completions", action="store_true",
                       help="send documents to /v1/completions as plain prompts instead of chat")
-    docs.add_argument("--model", help="embedded: GGUF file, HF folder or hub id (default: embedded SmolLM2); "
-                      "with --endpoint: the model name sent in every body")
     ep = parser.add_argument_group("endpoint backend")
     ep.add_argument("--endpoint", action="append",
                     help="base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1 "
                     "(with --ray, repeat it to spread batches over several servers)")
-    ep.add_argument("--api-key", help=f"bearer token (default: ${API_KEY_ENV[0]} or ${API_KEY_ENV[1]})")
+    ep.add_argument("--api-key", help=f"bearer token (default: ${' or $'.join(CLIENT_API_KEY_ENV)})")
     ep.add_argument("--concurrency", type=int, default=16,
                     help="requests in flight (default 16; with --ray, in all replicas together)")
     ep.add_argument("--timeout", type=float, default=600.0, help="seconds per attempt (default 600)")
     ep.add_argument("--max-attempts", type=int, default=6, help="tries per request (default 6)")
     run = parser.add_argument_group("running")
-    run.add_argument("--max-num-seqs", type=int, default=64, help="embedded: sequences in the batch (default 64)")
     run.add_argument("--order", choices=ORDERS, default="input",
                      help="input order, or the biggest requests first, in length buckets (see docs/jobs.md)")
     run.add_argument("--strict", action="store_true", help="refuse the whole job if any line is bad")
@@ -62,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ray.add_argument("--no-progress-timeout", type=float, default=1800.0,
                      help="fail when no batch finishes for this many seconds (default 1800; keep it above "
                      "the time one batch takes)")
+    add_engine_arguments(parser, title="the embedded engine (EngineConfig; not used with --endpoint)", help={
+        "model": "embedded: GGUF file, HF folder or hub id (default: the embedded SmolLM2); with --endpoint: "
+                 "the model name sent in every body"})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,8 +113,8 @@ def _backend(args: argparse.Namespace) -> Backend:
         backends: list[Backend] = [_endpoint(args, url, share) for url in endpoints]
     else:
         share = args.max_num_seqs
-        # A replica's torch threads = its CPUs, so replicas on one machine do not fight for cores.
-        backends = [_embedded(args, num_threads=max(1, int(args.cpus_per_replica)))]
+        # A replica's torch threads = its CPUs (unless set), so replicas on one machine do not fight for cores.
+        backends = [_embedded(args, num_threads=args.num_threads or max(1, int(args.cpus_per_replica)))]
     options = RayOptions(
         address=args.ray_address, replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
         gpus_per_replica=args.gpus_per_replica, batch_size=args.ray_batch_size or 4 * share,
@@ -122,14 +126,13 @@ def _backend(args: argparse.Namespace) -> Backend:
 def _endpoint(args: argparse.Namespace, url: str, concurrency: int) -> Backend:
     from tokenmill.jobs.endpoint import EndpointBackend, RetryPolicy
 
-    api_key = args.api_key or next((os.environ[k] for k in API_KEY_ENV if os.environ.get(k)), None)
     return EndpointBackend(
-        url, api_key=api_key, concurrency=concurrency, timeout=args.timeout,
+        url, api_key=client_api_key(args.api_key), concurrency=concurrency, timeout=args.timeout,
         retry=RetryPolicy(max_attempts=args.max_attempts), model=args.model,
     )
 
 
-def _embedded(args: argparse.Namespace, **engine_config: Any) -> Backend:
+def _embedded(args: argparse.Namespace, **overrides: Any) -> Backend:
     from tokenmill.jobs.embedded import EmbeddedBackend
 
-    return EmbeddedBackend(args.model, max_num_seqs=args.max_num_seqs, **engine_config)
+    return EmbeddedBackend(**{**engine_kwargs(args), **overrides})

@@ -17,9 +17,9 @@ from typing import Any
 
 import httpx
 
-from tokenmill.jobs.output import new_id
-from tokenmill.jobs.runner import BackendStats, ResultSink, StopFlag
+from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
 from tokenmill.jobs.spec import BatchRequest
+from tokenmill.openai_compat import new_id
 
 
 @dataclass(frozen=True)

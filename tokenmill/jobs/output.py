@@ -17,12 +17,12 @@ import io
 import json
 import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from tokenmill.jobs.spec import InputError
+from tokenmill.openai_compat import new_id
 
 INVALID_INPUT = "invalid_input"  # a bad input line (keyed by line number)
 WORKER_ERROR = "worker_error"  # a Ray replica's backend raised on this request (see ray_runner.py)
@@ -72,10 +72,6 @@ class OutputPaths:
 
 
 # ---- rows --------------------------------------------------------------------------------------
-def new_id(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex[:24]}"
-
-
 def result_row(custom_id: str, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
     return {
         "id": new_id("batch_req_"),
@@ -172,6 +168,37 @@ def rewrite_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 def encode_row(row: dict[str, Any]) -> bytes:
     return (json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+
+
+@dataclass
+class OutputState:
+    """What earlier runs of this job left in the output files."""
+
+    done: set[str] = field(default_factory=set)  # custom_ids with a result
+    failed: set[str] = field(default_factory=set)  # custom_ids with a final error
+    invalid_lines: set[int] = field(default_factory=set)  # bad input lines already recorded
+    repaired_bytes: int = 0  # torn tail cut off the files
+    retrying: int = 0  # transient errors dropped from the errors file, to be tried again
+
+
+def scan_outputs(paths: OutputPaths) -> OutputState:
+    """Repair torn tails, collect what is finished, drop transient errors so they are retried."""
+    state = OutputState()
+    results, cut = repair_jsonl(paths.results)
+    state.repaired_bytes += cut
+    state.done = {r["custom_id"] for r in results if isinstance(r.get("custom_id"), str)}
+    errors, cut = repair_jsonl(paths.errors)
+    state.repaired_bytes += cut
+    final = [r for r in errors if is_final(r)]
+    if len(final) < len(errors):
+        state.retrying = len(errors) - len(final)
+        rewrite_jsonl(paths.errors, final)
+    for row in final:
+        if (row.get("error") or {}).get("code") == INVALID_INPUT:
+            state.invalid_lines.add(row.get("line"))
+        elif isinstance(row.get("custom_id"), str) and row["custom_id"] not in state.done:
+            state.failed.add(row["custom_id"])
+    return state
 
 
 # ---- appending -----------------------------------------------------------------------------------

@@ -19,12 +19,12 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
 
+from tokenmill.jobs.backend import Abortable, Backend, BackendStats, ResultSink, SharesMachine, StopFlag
 from tokenmill.jobs.output import WORKER_ERROR, JobError, JobFailed
-from tokenmill.jobs.runner import Backend, BackendStats, ResultSink, StopFlag
 from tokenmill.jobs.spec import BatchRequest
 
 INSTALL_HINT = "pip install 'tokenmill[ray]'"
@@ -49,16 +49,6 @@ class RayOptions:
             raise ValueError(f"--ray-batch-size must be >= 1, got {self.batch_size}")
         if self.no_progress_timeout_s <= 0:
             raise ValueError(f"--no-progress-timeout must be > 0, got {self.no_progress_timeout_s}")
-
-
-@runtime_checkable
-class Abortable(Protocol):
-    def abort(self, request_ids: Iterable[str]) -> None: ...
-
-
-@runtime_checkable
-class SharesMachine(Protocol):
-    def share_machine(self, share: float) -> None: ...
 
 
 class RayBackend:
@@ -99,7 +89,7 @@ class RayBackend:
             for batch in stream_batches(build_dataset(items, backends_ref, self.options), stop):
                 for custom_id, row, stats in zip(batch["custom_id"], batch["row"], batch["stats"], strict=True):
                     if stats:
-                        merge_stats(totals, BackendStats(**json.loads(stats)))
+                        totals.add(BackendStats(**json.loads(stats)))
                     if custom_id not in written:  # a block re-run after an actor died sends rows again
                         written.add(custom_id)
                         sink.row(json.loads(row))
@@ -277,7 +267,7 @@ def serve_batch(backend: Backend, requests: list[BatchRequest]) -> tuple[list[di
         if request.custom_id in answered:
             continue
         try:
-            merge_stats(stats, backend.run(iter([request]), sink, StopFlag()))
+            stats.add(backend.run(iter([request]), sink, StopFlag()))
         except Exception as exc:
             _abort(backend, [request])
             sink.error(request, WORKER_ERROR, f"the worker's backend failed on this request: "
@@ -289,18 +279,6 @@ def _abort(backend: Backend, requests: list[BatchRequest]) -> None:
     """Clear what a failed `run` left inside the engine, so the next run starts clean."""
     if isinstance(backend, Abortable):
         backend.abort(r.custom_id for r in requests)
-
-
-def merge_stats(total: BackendStats, part: BackendStats) -> None:
-    """Add one batch's stats into the job's: counts and engine seconds summed, load the longest."""
-    for f in fields(BackendStats):
-        if f.name == "replicas":
-            continue
-        mine, theirs = getattr(total, f.name), getattr(part, f.name)
-        if f.name == "load_s":
-            total.load_s = max(mine, theirs)  # replicas load side by side
-        elif theirs is not None:
-            setattr(total, f.name, (mine or 0) + theirs)
 
 
 def _first_line(exc: BaseException) -> str:

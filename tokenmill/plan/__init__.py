@@ -1,12 +1,13 @@
 """tokenmill.plan: throughput, batch-size and cost ceilings from first principles.
 
-Depends on nothing else in tokenmill. Pure functions over frozen dataclasses:
+Depends only on tokenmill.cost and tokenmill.environment (no torch). Pure functions over frozen dataclasses:
 ``load_model`` -> ModelSpec, ``get_hardware`` -> HardwareSpec, ``make_plan`` -> Plan.
 """
 
-from .catalog import CATALOG, HardwareSpec, get_hardware
+from .catalog import CATALOG, get_hardware
 from .errors import PlanError
-from .models import ModelSpec, load_model, param_counts, preset
+from .hardware import HardwareSpec
+from .model_specs import ModelSpec, load_model, param_counts, preset
 from .roofline import Plan, PlanConfig, PlanPoint, make_plan
 
 __all__ = ["CATALOG", "HardwareSpec", "ModelSpec", "Plan", "PlanConfig", "PlanError",

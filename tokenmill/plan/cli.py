@@ -11,7 +11,7 @@ from .catalog import THIS_MACHINE, get_hardware
 from .dtypes import KV_DTYPES, WEIGHT_DTYPES
 from .errors import PlanError
 from .measured import Measured, efficiencies, load_measured
-from .models import load_model
+from .model_specs import load_model
 from .report import (
     hardware_table,
     models_table,

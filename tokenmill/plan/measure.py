@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Callable
 
-from .catalog import HardwareSpec
+from .hardware import HardwareSpec
 
 
 def _best_seconds(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:

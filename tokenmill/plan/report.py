@@ -12,9 +12,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from .catalog import CATALOG, HardwareSpec
+from .catalog import CATALOG
+from .hardware import HardwareSpec
 from .measured import Efficiency
-from .models import PRESET_CONFIGS, ModelSpec, kv_elements_per_token, param_counts, preset
+from .model_specs import PRESET_CONFIGS, ModelSpec, kv_elements_per_token, param_counts, preset
 from .roofline import Plan
 from .study import Ratio, StudyCheck
 

@@ -11,10 +11,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from .catalog import HardwareSpec
+from tokenmill.cost import usd_per_million
+
 from .dtypes import KV_DTYPES, WEIGHT_DTYPES, compute_class, dtype_bytes
 from .errors import PlanError
-from .models import (
+from .hardware import HardwareSpec
+from .model_specs import (
     ModelSpec,
     ParamCounts,
     attention_flops_per_context_token,
@@ -263,11 +265,6 @@ class Plan:
     kv_dominates_from: int | None  # smallest batch whose decode reads more KV than weights
     points: tuple[PlanPoint, ...]
     notes: tuple[str, ...] = ()
-
-
-def usd_per_million(price_per_hour: float, tokens_per_s: float) -> float:
-    """$ per million tokens = $/hour / (M tokens per hour)."""
-    return price_per_hour / (tokens_per_s * 3600 / 1e6)
 
 
 def plan_point(s: Setup, batch_size: int, max_batch: int) -> PlanPoint:

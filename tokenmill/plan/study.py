@@ -11,9 +11,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenmill.cost import usd_per_hour, usd_per_million
+
 from .catalog import CATALOG
 from .errors import PlanError
-from .models import ModelSpec, kv_elements_per_token, param_counts, preset
+from .model_specs import ModelSpec, kv_elements_per_token, param_counts, preset
 from .roofline import (
     Plan,
     PlanConfig,
@@ -22,7 +24,6 @@ from .roofline import (
     make_setup,
     memory_plan,
     min_batch_for,
-    usd_per_million,
 )
 
 DEFAULT_STUDY = Path(__file__).resolve().parents[2].parent / "shared/reference/batch-study.md"
@@ -237,12 +238,9 @@ class RowCheck:
 
 def implied_usd_per_hour(row: StudyRow) -> Figure:
     """$/hour = $/M output x M output tokens per hour at the B32 rate."""
-    def f(usd: float, tps: float) -> float:
-        return usd * tps * 3600 / 1e6
-
-    lo = f(row.usd_per_m.lo, row.b32_total.lo)
-    hi = f(row.usd_per_m.hi, row.b32_total.hi)
-    return Figure(f(row.usd_per_m.value, row.b32_total.value), (hi - lo) / 2)
+    lo = usd_per_hour(row.usd_per_m.lo, row.b32_total.lo)
+    hi = usd_per_hour(row.usd_per_m.hi, row.b32_total.hi)
+    return Figure(usd_per_hour(row.usd_per_m.value, row.b32_total.value), (hi - lo) / 2)
 
 
 def _overlaps(lo: float, hi: float, fig: Figure) -> bool:
@@ -384,6 +382,8 @@ def claim_cost_example(study: Study) -> ClaimCheck | None:
     n, gpu, tps = int(m.group(1)), m.group(2).lower(), parse_figure(m.group(3)).value
     price, stated = float(m.group(4)), parse_figure(m.group(5))
     usd = usd_per_million(price, tps)
+    if usd is None:  # "at 0 tok/s": no cost to check
+        return None
     verdict = "holds" if stated.lo <= usd <= stated.hi else "inconsistent"
     detail = f"${price:g}/h / ({tps:,.0f} x 3600 / 1e6 M tokens/h) = ${usd:.3f}/M"
     hw = next((k for k in CATALOG if k.startswith(gpu)), None)

@@ -1,64 +1,22 @@
-"""The FastAPI app: routes, auth, and the state they share (engine loop, backend, batches, metrics)."""
+"""The FastAPI app: routes and auth over the state they share (state.py)."""
 
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import FileResponse, Response
 from pydantic import BaseModel
 
-from tokenmill.engine.llm import LLM
 from tokenmill.serve import openai_api
-from tokenmill.serve.backend import ServingBackend
-from tokenmill.serve.batches import BatchManager, FileStore, public
-from tokenmill.serve.engine_loop import EngineLoop
+from tokenmill.serve.batches import public
 from tokenmill.serve.errors import APIError, bad_request, install_handlers
-from tokenmill.serve.metrics import ServeMetrics
+from tokenmill.serve.state import ServeState
 
 OPEN_PATHS = ("/health",)  # the only route that needs no API key (load balancers probe it)
-
-
-@dataclass
-class ServeState:
-    llm: LLM
-    model_name: str
-    state_dir: Path
-    api_key: str | None = None
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def __post_init__(self) -> None:
-        self.metrics = ServeMetrics(lambda: self.loop.snapshot)
-        self.loop = EngineLoop(self.llm.engine, self.metrics)
-        self.backend = ServingBackend(self.llm, self.loop, self.model_name)
-        self.files = FileStore(self.state_dir)
-        self.batches = BatchManager(self.state_dir, self.files, self._batch_backend)
-
-    def _batch_backend(self, batch_id: str, endpoint: str) -> ServingBackend:
-        return ServingBackend(self.llm, self.loop, self.model_name, batch_id=batch_id, endpoint=endpoint)
-
-    def start(self) -> None:
-        self.loop.start()
-        self.batches.start()
-
-    def close(self) -> None:
-        self.batches.close()  # first: its in-flight requests are aborted through the loop
-        self.loop.stop()
-
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.model_name}`)",
-                           param="model", code="model_not_found")
-
-    def model_object(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tokenmill",
-                "max_model_len": self.llm.engine.max_model_len}
 
 
 class BatchCreate(BaseModel):

@@ -1,9 +1,8 @@
-"""The bridge between OpenAI request bodies and the shared engine loop.
+"""The bridge between OpenAI request bodies and the server's shared engine loop.
 
-`ServingBackend` is the job runner's embedded backend (same body validation, prompt building and
-response bodies, so a live request and a batch line give the same answer) whose `run` submits to
-the server's `EngineLoop` instead of owning the engine. Live requests use `prepare` + `submit`;
-the Batch API hands it to `run_job` like any other backend.
+Live requests use `prepare` + `stream`; the Batch API hands a `ServingBackend` to `run_job` like
+any other job backend. Bodies become prompts and response bodies through openai_compat, as in a
+`tokenmill run` job, so a live request and a batch line give the same answer.
 """
 
 from __future__ import annotations
@@ -15,14 +14,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from jinja2 import TemplateError
-
-from tokenmill.engine.llm import LLM
-from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.sequence import Sequence
-from tokenmill.jobs.embedded import EmbeddedBackend, sampling_params
-from tokenmill.jobs.runner import BackendStats, ResultSink, StopFlag
+from tokenmill.engine import LLM, EngineRequest, RequestOutput
+from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
 from tokenmill.jobs.spec import BatchRequest
+from tokenmill.openai_compat import RequestError, check_request, engine_inputs, response_body
 from tokenmill.serve.engine_loop import EngineLoop
 
 LIVE_PRIORITY, BATCH_PRIORITY = 0, 1  # under the "priority" policy live traffic goes first
@@ -31,47 +26,42 @@ LIVE_PRIORITY, BATCH_PRIORITY = 0, 1  # under the "priority" policy live traffic
 @dataclass
 class Prepared:
     request: BatchRequest
-    seq: Sequence
+    engine_request: EngineRequest
 
 
-class ServingBackend(EmbeddedBackend):
+class ServingBackend:
     kind = "serve"
 
     def __init__(self, llm: LLM, loop: EngineLoop, model: str, *, batch_id: str = "", endpoint: str = "") -> None:
         """`batch_id`, `endpoint`: set for a Batch API job (its lines must all use that endpoint)."""
-        super().__init__(llm=llm)
-        self.model, self.loop = model, loop
+        self.llm, self.loop, self.model = llm, loop, model
         self.batch_id, self.endpoint = batch_id, endpoint
         self.window = llm.engine.config.max_num_seqs  # batch requests in the engine at once: a full batch
 
     def check(self, request: BatchRequest) -> None:
         if self.endpoint and request.url != self.endpoint:
-            raise ValueError(f"url {request.url!r} differs from the batch's endpoint {self.endpoint!r}")
+            raise RequestError(f"url {request.url!r} differs from the batch's endpoint {self.endpoint!r}")
         model = request.body.get("model")
         if model is not None and model != self.model:
-            raise ValueError(f"body.model {model!r} is not served here (this server serves {self.model!r})")
-        super().check(request)
+            raise RequestError(f"body.model {model!r} is not served here (this server serves {self.model!r})",
+                               "model")
+        check_request(request.url, request.body)
 
     # ---- one request ----------------------------------------------------------------------------
     def prepare(self, request: BatchRequest, priority: int = LIVE_PRIORITY) -> Prepared:
         """Validate and tokenize; raises ValueError (a 400) naming the problem. Touches no engine state."""
         self.check(request)
-        params = sampling_params(request.body)
+        prompt, params = engine_inputs(request.url, request.body, self.llm)
         if params.seed is None:  # drawn here: the engine's own seed generator belongs to its thread
             params.seed = random.getrandbits(62)
-        try:
-            prompt = self._prompt(request)
-        except (TemplateError, TypeError) as exc:
-            raise ValueError(f"cannot build the prompt: {exc}") from None
-        seq = self.loop.engine.make_sequence(prompt, params, request.custom_id, priority)
-        return Prepared(request, seq)
+        return Prepared(request, self.llm.engine.process_request(prompt, params, request.custom_id, priority))
 
     def response_body(self, prepared: Prepared, out: RequestOutput) -> dict[str, Any]:
-        return self._response_body(prepared.request, out)
+        return response_body(prepared.request.url, out, self.model, prepared.request.custom_id)
 
     async def stream(self, prepared: Prepared) -> RequestStream:
-        stream = RequestStream(self.loop, prepared.seq.request_id, asyncio.get_running_loop())
-        self.loop.add(prepared.seq, stream.push)
+        stream = RequestStream(self.loop, prepared.engine_request.request_id, asyncio.get_running_loop())
+        self.loop.add(prepared.engine_request, stream.push)
         return stream
 
     # ---- the Batch API: the job runner's backend interface ----------------------------------------
@@ -102,7 +92,7 @@ class ServingBackend(EmbeddedBackend):
             if isinstance(out, Exception):
                 sink.error(request, "server_error", f"engine failure: {out}")
             elif out.finish_reason != "abort":
-                sink.result(request, self._response_body(request, out))
+                sink.result(request, response_body(request.url, out, self.model))
         return BackendStats()  # the engine is shared: per-job prefill/decode times mean nothing here
 
     def _submit(self, request: BatchRequest, inflight: dict[str, BatchRequest], done: queue.Queue,
@@ -120,7 +110,7 @@ class ServingBackend(EmbeddedBackend):
                 done.put((request, out))
 
         inflight[request_id] = request
-        self.loop.add(prepared.seq, finished)
+        self.loop.add(prepared.engine_request, finished)
 
     def _request_id(self, request: BatchRequest) -> str:
         return f"{self.batch_id}:{request.custom_id}"
@@ -163,4 +153,3 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._loop.abort(self.request_id)
-

@@ -24,9 +24,12 @@ from typing import Any
 
 from rich.console import Console
 
-from tokenmill.jobs.output import JobError, new_id, write_json_atomic
-from tokenmill.jobs.runner import JobConfig, StopFlag, run_job
-from tokenmill.jobs.spec import SUPPORTED_URLS, DocumentOptions, read_input
+from tokenmill.jobs.backend import StopFlag
+from tokenmill.jobs.config import JobConfig
+from tokenmill.jobs.output import JobError, write_json_atomic
+from tokenmill.jobs.runner import run_job
+from tokenmill.jobs.spec import DocumentOptions, read_input
+from tokenmill.openai_compat import SUPPORTED_URLS, new_id
 from tokenmill.serve.backend import ServingBackend
 from tokenmill.serve.errors import APIError, bad_request
 

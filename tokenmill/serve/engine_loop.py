@@ -9,7 +9,6 @@ batching across all clients); when idle it sleeps on the queue.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
@@ -17,10 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.scheduler import SchedulerMetrics
-from tokenmill.engine.sequence import Sequence
+from tokenmill.engine import EngineRequest, LLMEngine, RequestOutput, SchedulerMetrics
 from tokenmill.serve.metrics import ServeMetrics
 
 log = logging.getLogger(__name__)
@@ -52,9 +48,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._thread.start()
 
-    def add(self, seq: Sequence, on_output: OutputCallback) -> None:
-        """`seq` comes from `engine.make_sequence` (validated, no engine state touched)."""
-        self._commands.put(("add", seq, on_output))
+    def add(self, request: EngineRequest, on_output: OutputCallback) -> None:
+        """`request` comes from `engine.process_request` (validated, no engine state touched)."""
+        self._commands.put(("add", request, on_output))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id, None))
@@ -103,12 +99,12 @@ class EngineLoop:
                 self._snapshot()
                 return True
 
-    def _add(self, seq: Sequence, on_output: OutputCallback) -> None:
-        if seq.request_id in self._tracked:  # a client reusing an id must not hijack another's stream
-            on_output(ValueError(f"request id {seq.request_id!r} is already in use"))
+    def _add(self, request: EngineRequest, on_output: OutputCallback) -> None:
+        if request.request_id in self._tracked:  # a client reusing an id must not hijack another's stream
+            on_output(ValueError(f"request id {request.request_id!r} is already in use"))
             return
-        self.engine.add_sequence(seq)
-        self._tracked[seq.request_id] = _Tracked(on_output)
+        self.engine.add_processed(request)
+        self._tracked[request.request_id] = _Tracked(on_output)
 
     def _abort(self, request_id: str) -> None:
         tracked = self._tracked.pop(request_id, None)
@@ -155,7 +151,5 @@ class EngineLoop:
         m.e2e_latency.observe(time.monotonic() - out.timings.arrival)
 
     def _snapshot(self) -> None:
-        metrics = self.engine.scheduler.metrics()
-        # A copy, so /metrics (another thread) never reads counters mid-update.
-        self.snapshot = dataclasses.replace(metrics, stats=dataclasses.replace(metrics.stats))
+        self.snapshot = self.engine.metrics()  # its own copy: /metrics never reads counters mid-update
 

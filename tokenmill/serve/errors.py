@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill.openai_compat import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +33,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def from_value_error(exc: Exception) -> APIError:
-    """Engine / SamplingParams / job-validation messages name the field as `body.X`: that is the param."""
+def from_value_error(exc: ValueError) -> APIError:
+    """A refused body (openai_compat.RequestError names its field) or prompt (the engine's)."""
     message = str(exc)
-    match = re.search(r"body\.(\w+)", message)
     code = "context_length_exceeded" if "context" in message and "tokens" in message else None
-    return bad_request(message, param=match.group(1) if match else None, code=code)
+    return bad_request(message, param=exc.param if isinstance(exc, RequestError) else None, code=code)
 
 
 def install_handlers(app: FastAPI) -> None:

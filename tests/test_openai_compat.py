@@ -1,0 +1,80 @@
+"""The one OpenAI translation layer: bodies in, response bodies out, refusals naming the field.
+(End to end it is exercised by the job and server tests; these pin its rules without a model.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tokenmill.engine import DEFAULT_MAX_TOKENS, RequestOutput
+from tokenmill.engine.sequence import RequestTimings
+from tokenmill.openai_compat import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    RequestError,
+    check_request,
+    engine_inputs,
+    response_body,
+    sampling_params,
+)
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def output(text: str = "Paris.", finish_reason: str = "stop") -> RequestOutput:
+    return RequestOutput("r", None, [1, 2, 3], text, [7, 8], finish_reason, None, 3, 2, 0,
+                         RequestTimings(0.0), True)
+
+
+def test_body_fields_become_sampling_params() -> None:
+    params = sampling_params({"max_completion_tokens": 5, "max_tokens": 9, "temperature": 0, "top_k": -1,
+                              "stop": "\n", "seed": 3, "min_tokens": 2, "ignore_eos": True})
+    assert (params.max_tokens, params.temperature, params.top_k, params.stop, params.seed) == (5, 0.0, 0, ["\n"], 3)
+    assert params.min_tokens == 2 and params.ignore_eos
+    assert sampling_params({}).max_tokens == DEFAULT_MAX_TOKENS
+    assert sampling_params({}).temperature == 1.0  # OpenAI's default
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"n": 2}, "n", "body.n = 2: the embedded engine returns one choice per request"),
+    ({"n": 0}, "n", "body.n = 0"),
+    ({"tools": [{"type": "function"}]}, "tools", "body.tools is not supported"),
+    ({"logprobs": True}, "logprobs", "body.logprobs is not supported"),
+    ({"top_p": 2}, "top_p", "body.top_p must be in (0, 1]"),
+    ({"max_tokens": 4, "min_tokens": 9}, "min_tokens", "body.min_tokens must be in [0, max_tokens=4]"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages",
+     "body.messages[0]: only text content parts"),
+])
+def test_refusals_name_the_field(body: dict[str, Any], param: str, words: str) -> None:
+    with pytest.raises(RequestError) as exc:
+        check_request(CHAT_URL, {**CHAT, **body})
+    assert exc.value.param == param and words in str(exc.value)
+
+
+def test_chat_goes_through_the_template_and_a_broken_one_is_a_request_error() -> None:
+    class Model:
+        def chat_token_ids(self, messages: list[dict[str, str]]) -> list[int]:
+            if messages[0]["role"] == "assistant":
+                raise TypeError("the template wants a user first")
+            return [len(m["content"]) for m in messages]
+
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "c"}]}]}
+    prompt, _ = engine_inputs(CHAT_URL, parts, Model())  # type: ignore[arg-type]
+    assert prompt == {"prompt_token_ids": [3]}  # text parts joined
+    assert engine_inputs(COMPLETIONS_URL, {"prompt": "x"}, Model())[0] == "x"  # type: ignore[arg-type]
+    with pytest.raises(RequestError, match="cannot build the prompt") as exc:
+        engine_inputs(CHAT_URL, {"messages": [{"role": "assistant", "content": "x"}]}, Model())  # type: ignore[arg-type]
+    assert exc.value.param == "messages"
+
+
+def test_response_bodies_and_usage() -> None:
+    chat = response_body(CHAT_URL, output(), "m", response_id="chatcmpl-1")
+    assert chat["id"] == "chatcmpl-1" and chat["object"] == "chat.completion" and chat["model"] == "m"
+    assert chat["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Paris."},
+                                "logprobs": None, "finish_reason": "stop"}]
+    assert chat["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 2}}
+    text = response_body(COMPLETIONS_URL, output(finish_reason="length"), "m")
+    assert text["id"].startswith("cmpl-") and text["object"] == "text_completion"
+    assert text["choices"][0]["text"] == "Paris." and text["choices"][0]["finish_reason"] == "length"

@@ -1,0 +1,71 @@
+"""`EngineConfig` as command-line flags, generated from its fields.
+
+`tokenmill generate`, `run`, `serve` and `bench` all build their engine from these flags, so they
+share names, defaults and help, and a new `EngineConfig` field is a new flag in each of them at
+once (tests/engine/test_args.py holds every command to that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from collections.abc import Iterable
+from dataclasses import fields
+from typing import Any
+
+from tokenmill.engine.config import EngineConfig
+
+_FIELDS_KEY = "engine_fields"  # where the namespace records which of its names are engine settings
+
+
+def flag(name: str) -> str:
+    """`max_num_seqs` → `--max-num-seqs`."""
+    return "--" + name.replace("_", "-")
+
+
+def add_engine_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    exclude: Iterable[str] = (),
+    defaults: dict[str, Any] | None = None,
+    help: dict[str, str] | None = None,
+    title: str = "engine settings (EngineConfig)",
+) -> None:
+    """A flag for every `EngineConfig` field but those in `exclude` (which the command decides
+    itself); `defaults` and `help` replace a field's own default and help for this command."""
+    defaults, help = defaults or {}, help or {}
+    unknown = (set(exclude) | set(defaults) | set(help)) - {f.name for f in fields(EngineConfig)}
+    if unknown:
+        raise ValueError(f"not EngineConfig fields: {sorted(unknown)}")
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(EngineConfig)
+    names = []
+    for f in fields(EngineConfig):
+        if f.name in exclude:
+            continue
+        names.append(f.name)
+        default = defaults.get(f.name, f.default)
+        text = help.get(f.name, f.metadata["help"])
+        kind = _scalar_type(hints[f.name])
+        if kind is bool:
+            group.add_argument(flag(f.name), dest=f.name, default=default, action=argparse.BooleanOptionalAction,
+                               help=f"{text} (default: {'on' if default else 'off'})")
+        else:
+            shown = "" if default is None else f" (default: {default})"
+            group.add_argument(flag(f.name), dest=f.name, default=default, type=kind,
+                               choices=f.metadata["choices"], help=text + shown)
+    parser.set_defaults(**{_FIELDS_KEY: tuple(names)})
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The `EngineConfig` fields the command line set (all of those it has flags for), as keyword
+    arguments for `EngineConfig`, `LLM` or `EmbeddedBackend`."""
+    return {name: getattr(args, name) for name in getattr(args, _FIELDS_KEY)}
+
+
+def _scalar_type(hint: Any) -> type:
+    """`int | None` → int: the type a flag's value is parsed as."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (hint,) = [t for t in typing.get_args(hint) if t is not type(None)]
+    return typing.cast(type, hint)

@@ -1,0 +1,72 @@
+"""``tokenmill generate``: a few prompts through the offline `LLM` API, with their speed and cost."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from tokenmill.cost import millions_per_usd, usd_per_million
+from tokenmill.engine.args import add_engine_arguments, engine_kwargs
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.sampling_params import DEFAULT_MAX_TOKENS
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompts", nargs="*", help="prompts (or use --file)")
+    p.add_argument("--file", type=Path, help="a text file with one prompt per line")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS})")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, help="sampling seed, the same for every prompt")
+    p.add_argument("--price-per-hour", type=float, help="hardware $/hour, to print the cost per token")
+    # --seed above is the sampling seed of these prompts, which is what the engine's would do.
+    add_engine_arguments(p, exclude=("seed",))
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.sampling_params import SamplingParams
+
+    prompts = list(args.prompts)
+    if args.file:
+        prompts += [line.strip() for line in args.file.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("no prompts: pass them as arguments or with --file")
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    start = time.monotonic()
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    wall = time.monotonic() - start
+    for prompt, out in zip(prompts, outputs, strict=True):
+        print(f"\n>>> {prompt}\n{out.text.strip()}  [{out.finish_reason}, {out.num_output_tokens} tokens]")
+    _print_summary(outputs, wall, args.price_per_hour)
+    return 0
+
+
+def _print_summary(outputs: list[RequestOutput], wall: float, price_per_hour: float | None) -> None:
+    prompt_tokens = sum(o.num_prompt_tokens for o in outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    output_tokens = sum(o.num_output_tokens for o in outputs)
+    rate = output_tokens / wall
+    print(
+        f"\n{len(outputs)} requests · {prompt_tokens} prompt tokens ({cached} from prefix cache) · "
+        f"{output_tokens} output tokens · {wall:.2f} s · {rate:.1f} output tok/s · "
+        f"{(prompt_tokens + output_tokens) / wall:.1f} total tok/s"
+    )
+    if price_per_hour is not None:
+        print(
+            f"at ${price_per_hour:.2f}/hour: ${_two(usd_per_million(price_per_hour, rate))} per million output "
+            f"tokens · {_two(millions_per_usd(price_per_hour, rate))} M output tokens per $"
+        )
+
+
+def _two(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"

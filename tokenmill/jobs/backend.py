@@ -1,0 +1,127 @@
+"""The contract between a job and whatever serves its requests.
+
+A `Backend` (the embedded engine, an HTTP endpoint, Ray replicas of either, the server's engine
+loop for the Batch API) turns requests into response bodies and hands every outcome to the
+`ResultSink`; the job runner (runner.py) owns the files, resuming and counting. To add a
+backend: implement `Backend` (and `Abortable` / `SharesMachine` where they apply), then choose
+it in cli.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, fields
+from typing import Any, Protocol, runtime_checkable
+
+from tokenmill.jobs import output
+from tokenmill.jobs.output import RowWriter
+from tokenmill.jobs.progress import JobProgress
+from tokenmill.jobs.spec import BatchRequest
+
+
+@dataclass
+class BackendStats:
+    """What a backend measured while running. Engine numbers are None for an endpoint."""
+
+    load_s: float = 0.0
+    prefill_tokens: int | None = None  # tokens computed from known tokens (prompt, recompute)
+    decode_tokens: int | None = None  # tokens computed from the previous step's sample
+    prefill_s: float | None = None  # time of engine steps that computed any prefill token
+    decode_s: float | None = None  # time of engine steps that computed any decode token
+    num_preemptions: int | None = None
+    retries: int | None = None  # endpoint: attempts beyond the first
+    replicas: int | None = None  # --ray: engines (or endpoint clients) the work was spread over
+
+    def add(self, part: BackendStats) -> None:
+        """Add one batch's stats into the job's: counts and engine seconds summed, load the longest."""
+        for f in fields(BackendStats):
+            if f.name == "replicas":
+                continue
+            mine, theirs = getattr(self, f.name), getattr(part, f.name)
+            if f.name == "load_s":
+                self.load_s = max(mine, theirs)  # replicas load side by side
+            elif theirs is not None:
+                setattr(self, f.name, (mine or 0) + theirs)
+
+
+class StopFlag:
+    """Set by the first Ctrl-C / SIGTERM (stop admitting work) and the second (abort in-flight)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.forced = False
+
+    def request(self) -> None:
+        self.forced = self.requested
+        self.requested = True
+
+
+class ResultSink:
+    """Where backends hand every outcome: one row written (and flushed) per request."""
+
+    def __init__(self, results: RowWriter, errors: RowWriter, progress: JobProgress | None) -> None:
+        self._results, self._errors, self.progress = results, errors, progress
+        self.done = self.failed = self.transient = 0
+        self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
+
+    def result(self, request: BatchRequest, body: dict[str, Any], request_id: str | None = None) -> None:
+        self._results.write(output.result_row(request.custom_id, body, request_id))
+        self._count_result(body)
+
+    def error(
+        self, request: BatchRequest, code: str, message: str, response: dict[str, Any] | None = None
+    ) -> None:
+        self._errors.write(output.error_row(request.custom_id, request.line, code, message, response))
+        self._count_error(code)
+
+    def row(self, row: dict[str, Any]) -> None:
+        """A row already made by `result` / `error` elsewhere (on a Ray replica)."""
+        if row.get("error") is None:
+            self._results.write(row)
+            self._count_result(row["response"]["body"])
+        else:
+            self._errors.write(row)
+            self._count_error(row["error"]["code"])
+
+    def _count_result(self, body: dict[str, Any]) -> None:
+        prompt, cached, completion = output.usage_of(body)
+        self.done += 1
+        self.prompt_tokens += prompt
+        self.cached_tokens += cached
+        self.completion_tokens += completion
+        if self.progress:
+            self.progress.advance(completion)
+
+    def _count_error(self, code: str) -> None:
+        self.failed += 1
+        self.transient += code in output.TRANSIENT_CODES
+        if self.progress:
+            self.progress.advance()
+
+
+class Backend(Protocol):
+    kind: str  # "embedded" | "endpoint" | "serve"
+    model: str  # what the results are generated with (part of the job's fingerprint)
+
+    def check(self, request: BatchRequest) -> None:
+        """Raise ValueError naming the problem if this backend cannot serve the request."""
+
+    def start(self) -> None:
+        """Load the model / open connections; called only when there is work."""
+
+    def run(self, requests: Iterator[BatchRequest], sink: ResultSink, stop: StopFlag) -> BackendStats:
+        """Serve `requests`, handing each outcome to `sink`, until done or `stop` says so."""
+
+
+@runtime_checkable
+class Abortable(Protocol):
+    """A backend that keeps requests inside after `run` raised, and can drop them."""
+
+    def abort(self, request_ids: Iterable[str]) -> None: ...
+
+
+@runtime_checkable
+class SharesMachine(Protocol):
+    """A backend that sizes itself from the machine, and can be told it gets only part of one."""
+
+    def share_machine(self, share: float) -> None: ...

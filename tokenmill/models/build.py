@@ -1,0 +1,61 @@
+"""Loaded weights → a model ready to run on a device (projections fused, RoPE tables made, linear
+layers packed for the CPU kernels), and how much memory is left there to size caches with."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tokenmill.models.llama import CausalLM, fuse_projections
+from tokenmill.models.loader import LoadedWeights
+from tokenmill.models.packed import onednn_packing_available, pack_linears
+
+
+def build_model(
+    weights: LoadedWeights,
+    max_positions: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    pack_weights: bool = True,
+    batch_hint: int = 2048,
+    small_batch_kernel: bool = False,
+) -> CausalLM:
+    """`batch_hint`: the most tokens one forward will see (oneDNN packs for it);
+    `small_batch_kernel`: also keep the weights in the small-batch kernel's layout."""
+    with torch.device("meta"):
+        model = CausalLM(weights.config)
+    state = {k: v.to(dtype) for k, v in weights.state_dict.items() if "rotary_emb" not in k}
+    state = fuse_projections(state)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if weights.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(
+            f"{weights.source}: weights do not match the {weights.config.model_type} architecture "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    model.init_rope(max_positions)
+    model = model.to(device).eval()
+    onednn = pack_weights and onednn_packing_available(device, dtype)
+    if onednn or small_batch_kernel:
+        pack_linears(model, batch_hint, onednn=onednn, small_batch=small_batch_kernel)
+    return model
+
+
+def weight_bytes(weights: LoadedWeights, dtype: torch.dtype) -> int:
+    """The model's weights held in `dtype` (what one more copy of them costs)."""
+    return sum(t.numel() for t in weights.state_dict.values()) * dtype.itemsize
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on the device now: the GPU's free memory, or the machine's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

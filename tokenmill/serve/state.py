@@ -1,0 +1,52 @@
+"""What the server's routes share: the model, its engine loop, the backend that turns OpenAI
+bodies into engine requests, the Batch API's files and batches, and the metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenmill.engine import LLM
+from tokenmill.serve.backend import ServingBackend
+from tokenmill.serve.batches import BatchManager, FileStore
+from tokenmill.serve.engine_loop import EngineLoop
+from tokenmill.serve.errors import APIError
+from tokenmill.serve.metrics import ServeMetrics
+
+
+@dataclass
+class ServeState:
+    llm: LLM
+    model_name: str
+    state_dir: Path
+    api_key: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.metrics = ServeMetrics(lambda: self.loop.snapshot)
+        self.loop = EngineLoop(self.llm.engine, self.metrics)
+        self.backend = ServingBackend(self.llm, self.loop, self.model_name)
+        self.files = FileStore(self.state_dir)
+        self.batches = BatchManager(self.state_dir, self.files, self._batch_backend)
+
+    def _batch_backend(self, batch_id: str, endpoint: str) -> ServingBackend:
+        return ServingBackend(self.llm, self.loop, self.model_name, batch_id=batch_id, endpoint=endpoint)
+
+    def start(self) -> None:
+        self.loop.start()
+        self.batches.start()
+
+    def close(self) -> None:
+        self.batches.close()  # first: its in-flight requests are aborted through the loop
+        self.loop.stop()
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.model_name}`)",
+                           param="model", code="model_not_found")
+
+    def model_object(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tokenmill",
+                "max_model_len": self.llm.engine.max_model_len}
