@@ -43,6 +43,3 @@ class JobProgress:
         self._completion_tokens += completion_tokens
         elapsed = max(time.monotonic() - self._start, 1e-9)
         self._bar.update(self._task, advance=1, speed=f"{self._completion_tokens / elapsed:,.1f} out tok/s")
-
-    def set_description(self, text: str) -> None:
-        self._bar.update(self._task, description=text)
