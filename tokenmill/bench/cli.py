@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if args.files:
         raise ValueError(f"bench: unexpected arguments {[str(f) for f in args.files]} (did you mean compare?)")
     workload, cfg = resolve(args)
-    target = build_target(args, max(*cfg.batch_sizes, cfg.warmup))  # the warm-up runs as one batch too
+    target = build_target(args, max(cfg.batch_sizes))
     result = run_sweep(target, workload, cfg, log=lambda m: print(m, file=sys.stderr))
     from tokenmill.bench.report import terminal, to_json, write_all
 

@@ -82,7 +82,9 @@ def run_sweep(target: Target, workload: Workload, cfg: SweepConfig,
     corpus = Corpus(target.tokenizer, cfg.seed) if workload.jsonl is None else None
     if cfg.warmup:
         log(f"warm-up: {cfg.warmup} request(s), not counted")
-        target.run(_warmup_requests(workload, cfg.warmup, corpus, rng, target.tokenizer), cfg.warmup)
+        # At most the largest batch of the sweep runs at once: the engine is sized for that.
+        target.run(_warmup_requests(workload, cfg.warmup, corpus, rng, target.tokenizer),
+                   min(cfg.warmup, max(cfg.batch_sizes)))
     for batch in sorted(set(cfg.batch_sizes)):
         runs = [_one_run(target, workload, cfg, batch, corpus, rng, i, log) for i in range(cfg.runs)]
         result.runs[batch] = runs
