@@ -8,8 +8,9 @@ from pathlib import Path
 
 from tokenmill.cost import millions_per_usd, usd_per_million
 from tokenmill.engine.args import add_engine_arguments, engine_kwargs
+from tokenmill.engine.llm import LLM
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.sampling_params import DEFAULT_MAX_TOKENS
+from tokenmill.engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,14 +23,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, help="sampling seed, the same for every prompt")
     p.add_argument("--price-per-hour", type=float, help="hardware $/hour, to print the cost per token")
-    # --seed above is the sampling seed of these prompts, which is what the engine's would do.
+    # The engine's own seed is left out: --seed above already seeds every prompt of this command.
     add_engine_arguments(p, exclude=("seed",))
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenmill.engine.llm import LLM
-    from tokenmill.engine.sampling_params import SamplingParams
-
     prompts = list(args.prompts)
     if args.file:
         prompts += [line.strip() for line in args.file.read_text().splitlines() if line.strip()]
