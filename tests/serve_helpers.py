@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -37,8 +38,10 @@ def _free_port() -> int:
 
 
 @contextmanager
-def serving(llm: LLM, state_dir: Path, model_name: str, api_key: str | None = None) -> Iterator[Running]:
-    state = ServeState(llm, model_name=model_name, state_dir=state_dir, api_key=api_key)
+def serving(llm: LLM, state_dir: Path, model_name: str, api_key: str | None = None,
+            **state_options: Any) -> Iterator[Running]:
+    """`state_options`: ServeState's other fields (max_request_bytes=..., docs=False, ...)."""
+    state = ServeState(llm, model_name=model_name, state_dir=state_dir, api_key=api_key, **state_options)
     port = _free_port()
     config = uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(config)

@@ -34,17 +34,32 @@ def test_body_fields_become_sampling_params() -> None:
     assert params.min_tokens == 2 and params.ignore_eos
     assert sampling_params({}).max_tokens == DEFAULT_MAX_TOKENS
     assert sampling_params({}).temperature == 1.0  # OpenAI's default
+    developer = {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]}
+    check_request(CHAT_URL, developer)  # OpenAI's newer name for the system role
 
 
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"n": 2}, "n", "body.n = 2: the embedded engine returns one choice per request"),
-    ({"n": 0}, "n", "body.n = 0"),
+    ({"n": 0}, "n", "body.n must be >= 1, got 0"),
     ({"tools": [{"type": "function"}]}, "tools", "body.tools is not supported"),
     ({"logprobs": True}, "logprobs", "body.logprobs is not supported"),
     ({"top_p": 2}, "top_p", "body.top_p must be in (0, 1]"),
     ({"max_tokens": 4, "min_tokens": 9}, "min_tokens", "body.min_tokens must be in [0, max_tokens=4]"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages",
      "body.messages[0]: only text content parts"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages",
+     "body.messages[0].role must be one of system, developer, user, assistant"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages", "body.messages[0].content must be a string"),
+    ({"max_tokens": "5"}, "max_tokens", 'body.max_tokens must be an integer, got "5"'),
+    ({"max_completion_tokens": True}, "max_completion_tokens", "must be an integer, got true"),
+    ({"temperature": float("inf")}, "temperature", "body.temperature must be a finite number"),
+    ({"temperature": 2.5}, "temperature", "body.temperature must be in [0, 2], got 2.5"),
+    ({"top_k": -2}, "top_k", "body.top_k must be >= -1"),
+    ({"seed": 2**80}, "seed", "body.seed must be in"),
+    ({"ignore_eos": "yes"}, "ignore_eos", 'body.ignore_eos must be true or false, got "yes"'),
+    ({"stop": ["x"] * 17}, "stop", "at most 16 non-empty strings"),
+    ({"stop": [""]}, "stop", "at most 16 non-empty strings"),
+    ({"stop_token_ids": ["1"]}, "stop_token_ids", "must be a list of token ids"),
 ])
 def test_refusals_name_the_field(body: dict[str, Any], param: str, words: str) -> None:
     with pytest.raises(RequestError) as exc:

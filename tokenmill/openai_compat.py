@@ -10,6 +10,8 @@ To support a new body field: read it in `sampling_params` (or refuse it in `UNSU
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import time
 import uuid
@@ -50,18 +52,86 @@ def new_response_id(url: str) -> str:
 
 
 # ---- requests ------------------------------------------------------------------------------------
+# The ranges of the fields we read, as OpenAI documents them (vLLM's for its extras). The server's
+# request models quote these too, so its schema and this check agree.
+MAX_TEMPERATURE = 2.0
+MAX_STOP_SEQUENCES = 16  # OpenAI allows 4; vLLM sets no limit, and files written for it carry more
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what a 64-bit generator takes
+CHAT_ROLES = ("system", "developer", "user", "assistant")  # "tool" would need tools
+
+
 def check_request(url: str, body: dict[str, Any]) -> None:
     """Everything about a body that can be checked without the engine (a prompt too long for the
     context is the engine's to refuse). Raises RequestError."""
     for name in UNSUPPORTED_FIELDS:
         if body.get(name) not in (None, False, 0, [], {}):
             raise RequestError(f"body.{name} is not supported by the embedded engine", name)
+    check_fields(body)
     n = body.get("n", 1)
     if n != 1:
         raise RequestError(f"body.n = {n}: the embedded engine returns one choice per request", "n")
     if url == CHAT_URL:
         chat_messages(body["messages"])
     sampling_params(body)
+
+
+def check_fields(body: dict[str, Any]) -> None:
+    """The type and range of every sampling field present: a string "5", `true` or Infinity is
+    refused naming the field, never coerced. Raises RequestError."""
+    for name in ("max_tokens", "max_completion_tokens", "n"):
+        _integer(body, name, 1)
+    _integer(body, "min_tokens", 0)
+    _integer(body, "top_k", -1)  # vLLM spells "off" -1
+    _integer(body, "seed", *SEED_RANGE)
+    _number(body, "temperature", 0.0, MAX_TEMPERATURE)
+    _number(body, "top_p", 0.0, 1.0, low_open=True)
+    if not isinstance(body.get("ignore_eos", False), bool):
+        raise RequestError(f"body.ignore_eos must be true or false, got {_show(body['ignore_eos'])}", "ignore_eos")
+    _check_stop(body.get("stop"))
+    ids = body.get("stop_token_ids")
+    if ids is not None and not (isinstance(ids, list) and all(_is_int(t) and t >= 0 for t in ids)):
+        raise RequestError(f"body.stop_token_ids must be a list of token ids (integers >= 0), got {_show(ids)}",
+                           "stop_token_ids")
+
+
+def _integer(body: dict[str, Any], name: str, low: int, high: int | None = None) -> None:
+    value = body.get(name)
+    if value is None:
+        return
+    if not _is_int(value):
+        raise RequestError(f"body.{name} must be an integer, got {_show(value)}", name)
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise RequestError(f"body.{name} must be {bound}, got {value}", name)
+
+
+def _number(body: dict[str, Any], name: str, low: float, high: float, low_open: bool = False) -> None:
+    value = body.get(name)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(f"body.{name} must be a finite number, got {_show(value)}", name)
+    if not (low < value if low_open else low <= value) or value > high:
+        raise RequestError(f"body.{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value}", name)
+
+
+def _check_stop(stop: Any) -> None:
+    sequences = [stop] if isinstance(stop, str) else stop
+    if stop is None or (isinstance(sequences, list) and all(isinstance(s, str) and s for s in sequences)
+                        and len(sequences) <= MAX_STOP_SEQUENCES):
+        return
+    raise RequestError(f"body.stop must be a non-empty string or a list of at most {MAX_STOP_SEQUENCES} "
+                       f"non-empty strings, got {_show(stop)}", "stop")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """A value as JSON, cut short: an error message must not echo a megabyte back."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
 
 
 def requested_max_tokens(body: dict[str, Any]) -> int:
@@ -71,6 +141,7 @@ def requested_max_tokens(body: dict[str, Any]) -> int:
 
 def sampling_params(body: dict[str, Any]) -> SamplingParams:
     """OpenAI (and vLLM's extra) body fields → SamplingParams; RequestError names the body field."""
+    check_fields(body)
     stop = body.get("stop") or []
     top_k = body.get("top_k", 0)
     try:
@@ -79,9 +150,9 @@ def sampling_params(body: dict[str, Any]) -> SamplingParams:
             min_tokens=body.get("min_tokens", 0),
             temperature=float(body.get("temperature", 1.0)),  # OpenAI's default
             top_p=float(body.get("top_p", 1.0)),
-            top_k=0 if top_k == -1 else top_k,  # vLLM spells "off" -1
+            top_k=0 if top_k == -1 else top_k,
             seed=body.get("seed"),
-            ignore_eos=bool(body.get("ignore_eos", False)),
+            ignore_eos=body.get("ignore_eos", False),
             stop_token_ids=list(body.get("stop_token_ids") or []),
             stop=[stop] if isinstance(stop, str) else list(stop),
         )
@@ -92,17 +163,34 @@ def sampling_params(body: dict[str, Any]) -> SamplingParams:
 
 
 def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Messages with string content (text parts joined); other parts are refused."""
+    """Messages with string content (text parts joined); other roles and parts are refused.
+    OpenAI's "developer" role is the chat templates' "system"."""
     plain = []
     for i, message in enumerate(messages):
-        content = message["content"]
+        role, content = message.get("role"), message.get("content")
+        if role not in CHAT_ROLES:
+            raise RequestError(f"body.messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {_show(role)}",
+                               "messages")
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise RequestError(
-                    f"body.messages[{i}]: only text content parts are supported by the embedded engine", "messages")
-            content = "".join(str(p.get("text", "")) for p in content)
-        plain.append({"role": message["role"], "content": content})
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise RequestError(f"body.messages[{i}]: only text content parts are supported by the embedded "
+                                   "engine", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise RequestError(f"body.messages[{i}].content must be a string or a list of text parts, "
+                               f"got {_show(content)}", "messages")
+        plain.append({"role": "system" if role == "developer" else role, "content": content})
     return plain
+
+
+def check_prompt_size(url: str, body: dict[str, Any], llm: LLM) -> None:
+    """Refuse a text prompt too long for the context by its length, without tokenizing it (which
+    takes seconds per megabyte). Token-id prompts are counted as they are, as cheaply, by the engine."""
+    if url == CHAT_URL:
+        llm.engine.check_prompt_chars(sum(len(m["content"]) for m in chat_messages(body["messages"])))
+    elif isinstance(body["prompt"], str):
+        llm.engine.check_prompt_chars(len(body["prompt"]))
 
 
 def engine_inputs(url: str, body: dict[str, Any], llm: LLM) -> tuple[Prompt, SamplingParams]:

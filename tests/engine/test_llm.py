@@ -73,6 +73,8 @@ def test_seeded_sampling_does_not_depend_on_the_batch(llm: LLM) -> None:
         ({"prompt_token_ids": []}, None, "prompt is empty"),
         ({"prompt_token_ids": [1] * 600}, None, "prompt has 600 tokens but the context is 512"),
         ({"prompt_token_ids": [10**7]}, None, "outside the vocabulary"),
+        ("x" * 10**6, None, "prompt has 1,000,000 characters: more than a context of 512 tokens can hold"),
+        ("Hi", SamplingParams(stop_token_ids=[10**7]), "stop_token_ids: 10000000 is outside the vocabulary"),
     ],
 )
 def test_bad_requests_are_refused_and_the_engine_keeps_serving(llm: LLM, prompt, params, message) -> None:  # type: ignore[no-untyped-def]
@@ -90,12 +92,20 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(llm: LLM, prompt,
     assert [o.request_id for o in done] == ["good"] and done[0].num_output_tokens == 4
 
 
-def test_a_request_that_can_never_fit_the_cache_is_refused(smollm_weights: LoadedWeights) -> None:
-    small = LLM(weights=smollm_weights, num_kv_blocks=4, block_size=16, max_model_len=512)
-    with pytest.raises(ValueError, match="KV-cache blocks"):
-        small.generate({"prompt_token_ids": [5] * 60}, SamplingParams(max_tokens=10), progress=False)
-    out = small.generate({"prompt_token_ids": [5] * 40}, SamplingParams(max_tokens=10), progress=False)[0]
-    assert out.num_output_tokens == 10
+def test_a_request_that_can_never_fit_the_cache_fails_alone(smollm_weights: LoadedWeights) -> None:
+    """One prompt bigger than the whole KV cache gets an error output; the others are answered."""
+    small = LLM(weights=smollm_weights, num_kv_blocks=12, block_size=16, max_num_seqs=16, max_model_len=1024)
+    prompts: list = [f"Fact number {i}:" for i in range(7)]
+    prompts.insert(3, {"prompt_token_ids": [5] * 925})
+    outs = small.generate(prompts, SamplingParams(max_tokens=2, temperature=0), progress=False)
+    refused = outs[3]
+    assert refused.finished and refused.finish_reason == "error" and refused.num_output_tokens == 0
+    assert "needs up to 58 KV-cache blocks" in (refused.error or "") and "has only 12" in (refused.error or "")
+    assert [o.num_output_tokens for i, o in enumerate(outs) if i != 3] == [2] * 7
+    assert all(o.error is None for i, o in enumerate(outs) if i != 3)
+    with pytest.raises(ValueError, match="KV-cache blocks"):  # the opt-in: raise before anything runs
+        small.generate(prompts, SamplingParams(max_tokens=2), progress=False, raise_on_error=True)
+    assert not small.engine.has_unfinished_requests()
 
 
 def test_abort_frees_every_block(llm: LLM) -> None:

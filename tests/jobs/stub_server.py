@@ -5,11 +5,17 @@ lists what to do on the 1st, 2nd, … attempt: "ok", "429", "429-wait" (Retry-Af
 "slow" (reply after the client gave up), "drop" (close the connection without a reply), "400".
 Attempts past the script's end are "ok". The server answers at most `max_requests` requests
 (then 400s, which the client never retries) and stops with the `with` block.
+
+An outage: `go_down(seconds)` (or `outage_after=n`: once n requests were admitted, for
+`outage_s`) makes every request, POST or the breaker's GET /v1/models, a dropped connection,
+counted in `down_hits` by method, as a killed server behind a proxy looks; `come_back()` ends it.
+GET /v1/models answers a model list while up.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections import Counter
@@ -20,10 +26,13 @@ from typing import Any
 class StubServer:
     def __init__(
         self, script: dict[str, list[str]] | None = None, delay: float = 0.0, slow_s: float = 1.0,
-        max_requests: int = 500,
+        max_requests: int = 500, outage_after: int | None = None, outage_s: float = 0.0,
     ) -> None:
         self.script = script or {}
         self.delay, self.slow_s, self.max_requests = delay, slow_s, max_requests
+        self.outage_after, self.outage_s = outage_after, outage_s
+        self.down_until = 0.0  # monotonic time the current outage ends
+        self.down_hits: Counter[str] = Counter()  # requests dropped in an outage, by method
         self.attempts: Counter[str] = Counter()
         self.times: dict[str, list[float]] = {}  # key → arrival time of each attempt
         self.bodies: list[dict[str, Any]] = []
@@ -48,12 +57,28 @@ class StubServer:
         self._server.server_close()
         self._thread.join(timeout=10)
 
+    def go_down(self, seconds: float = math.inf) -> None:
+        self.down_until = time.monotonic() + seconds
+
+    def come_back(self) -> None:
+        self.down_until = 0.0
+
+    def is_down(self, method: str) -> bool:
+        """Whether to drop this request (counting it) because the server is "down"."""
+        with self._lock:
+            if time.monotonic() >= self.down_until:
+                return False
+            self.down_hits[method] += 1
+            return True
+
     def admit(self, key: str, body: dict[str, Any], headers: dict[str, str]) -> str:
         """Record an attempt and say what to do with it."""
         with self._lock:
             if sum(self.attempts.values()) >= self.max_requests:
                 return "400"
             self.attempts[key] += 1
+            if sum(self.attempts.values()) == self.outage_after:  # this one is answered, the next are not
+                self.go_down(self.outage_s)
             self.times.setdefault(key, []).append(time.monotonic())
             self.bodies.append(body)
             self.headers.append(headers)
@@ -95,8 +120,19 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
         def log_message(self, *args: object) -> None:  # quiet
             pass
 
+        def do_GET(self) -> None:
+            if stub.is_down("GET"):
+                self.close_connection = True
+            elif self.path == "/v1/models":
+                self._send(200, {"object": "list", "data": [{"id": "stub", "object": "model"}]}, {})
+            else:
+                self._send(404, {"error": {"message": f"no {self.path}"}}, {})
+
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            if stub.is_down("POST"):
+                self.close_connection = True  # closed with no reply
+                return
             key = _key(body)
             action = stub.admit(key, body, dict(self.headers))
             try:

@@ -82,6 +82,32 @@ def test_batch_job_end_to_end(tmp_path: Path, llm: LLM) -> None:
     assert_exactly_once(tmp_path / "out", 5)
 
 
+def test_a_prompt_far_too_long_is_refused_at_validation_without_tokenizing(
+    tmp_path: Path, llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 2 MB line (tokenizing it would take ~10 s) is refused by its length while the input is
+    checked, before any work, and the rows behind it run."""
+    encode = llm.tokenizer.encode
+
+    def encode_short(text: str, *args, **kw):  # type: ignore[no-untyped-def]
+        assert len(text) < 100_000, "a huge prompt was tokenized"
+        return encode(text, *args, **kw)
+
+    monkeypatch.setattr(llm.tokenizer, "encode", encode_short)
+    rows = [batch_line("huge", "word " * 400_000), batch_line("huge-text", "word " * 400_000, url="/v1/completions"),
+            batch_line("fine", "The capital of France is", url="/v1/completions", max_tokens=2)]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    config = JobConfig(input=path, output=tmp_path / "out", progress=False)
+    backend = EmbeddedBackend(llm=llm)
+    assert run_job(config, backend) == 1
+    errors = {e["custom_id"]: e["error"] for e in read_jsonl(tmp_path / "out/errors.jsonl")}
+    assert errors.keys() == {"huge", "huge-text"}
+    for error in errors.values():
+        assert error["code"] == "invalid_input"  # refused by validation, not by the run
+        assert "2,000,000 characters" in error["message"] and "context of 384 tokens" in error["message"]
+    assert [r["custom_id"] for r in read_jsonl(tmp_path / "out/results.jsonl")] == ["fine"]
+
+
 class InterruptAfterFirst(EmbeddedBackend):
     """Sends this process a SIGINT as soon as the first result is in, like a Ctrl-C."""
 

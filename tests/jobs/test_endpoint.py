@@ -4,23 +4,29 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from email.utils import formatdate
 from pathlib import Path
 
 import pytest
 
+from tokenmill.jobs.backend import ResultSink, StopFlag
 from tokenmill.jobs.config import JobConfig
 from tokenmill.jobs.endpoint import EndpointBackend, RetryPolicy, parse_retry_after
+from tokenmill.jobs.output import JobFailed
 from tokenmill.jobs.runner import run_job
-from tokenmill.jobs.spec import DocumentOptions
+from tokenmill.jobs.spec import BatchRequest, DocumentOptions
 
 from .conftest import assert_exactly_once, batch_line, read_jsonl, write_jsonl
 from .stub_server import StubServer
 
 FAST_RETRY = RetryPolicy(max_attempts=4, base_delay=0.01, max_delay=0.05)
+# No attempt cap: a time budget, short backoffs, and an open breaker probing every 0.2 s at most.
+OUTAGE_RETRY = RetryPolicy(retry_for=30, base_delay=0.01, max_delay=0.05, max_probe_delay=0.2)
 
 
 @pytest.fixture(autouse=True)
@@ -71,6 +77,104 @@ def test_exhausted_retries_are_tried_again_on_rerun(tmp_path: Path) -> None:
     assert stub.attempts == {"fine": 1, "down": 5, "bad": 1}
     assert [e["custom_id"] for e in read_jsonl(tmp_path / "out/errors.jsonl")] == ["r-2"]
     assert_exactly_once(tmp_path / "out", 3)
+
+
+def test_a_request_is_retried_until_its_time_budget_is_spent(tmp_path: Path) -> None:
+    budget = RetryPolicy(retry_for=0.3, base_delay=0.01, max_delay=0.05)  # and no attempt cap
+    with StubServer({"down": ["500"] * 1000}) as stub:
+        assert run_job(job(tmp_path, ["fine", "down"]), backend(stub, retry=budget)) == 1
+    [error] = read_jsonl(tmp_path / "out/errors.jsonl")
+    assert error["custom_id"] == "r-1" and error["error"]["code"] == "server_error"
+    assert "gave up after" in error["error"]["message"]
+    first, *_, last = stub.times["down"]
+    assert stub.attempts["down"] >= 4 and 0.15 <= last - first <= 0.6  # 500 is the request's: no breaker
+
+
+def test_an_outage_mid_job_is_waited_out_with_a_few_probes(tmp_path: Path) -> None:
+    """The server drops every connection for 1.5 s after its 12th request: the breaker holds the
+    workers (each loses the attempt it had in flight, no more), probes, and the job finishes."""
+    n, concurrency = 48, 8
+    with StubServer(delay=0.02, outage_after=12, outage_s=1.5) as stub:
+        ep = backend(stub, concurrency=concurrency, retry=OUTAGE_RETRY, timeout=5)  # only drops fail
+        assert run_job(job(tmp_path, [f"doc {i}" for i in range(n)]), ep) == 0
+    assert_exactly_once(tmp_path / "out", n)
+    assert read_jsonl(tmp_path / "out/errors.jsonl") == []
+    dropped, probes = stub.down_hits["POST"], stub.down_hits["GET"]
+    assert 1 <= dropped <= 2 * concurrency and 1 <= probes <= 20  # not concurrency × attempts
+    summary = json.loads((tmp_path / "out/summary.json").read_text())
+    assert summary["engine"]["retries"] == dropped  # each lost attempt tried again once, after the outage
+
+
+def test_an_endpoint_that_never_comes_back_ends_the_job_resumably(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing listens: after --retry-for the job stops with exit 3 and no error rows, and a re-run
+    against a live server does every row (once)."""
+    from tokenmill.cli import main
+
+    config, dead = job(tmp_path, [f"doc {i}" for i in range(20)]), _unused_url()
+    start = time.monotonic()
+    code = main(["run", str(config.input), "-o", str(config.output), "--max-tokens", "4", "--no-progress",
+                 "--endpoint", dead, "--concurrency", "8", "--retry-for", "1", "--max-attempts", "6"])
+    elapsed = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert code == 3 and elapsed < 10, err
+    assert f"the endpoint {dead.removesuffix('/v1')} has not answered for 1 s" in err
+    assert "ConnectError" in err and "re-run the same command to resume" in err
+    assert read_jsonl(config.output / "results.jsonl") == read_jsonl(config.output / "errors.jsonl") == []
+    with StubServer() as stub:
+        assert run_job(config, backend(stub)) == 0
+    assert_exactly_once(config.output, 20)
+    assert read_jsonl(config.output / "errors.jsonl") == []
+
+
+def test_a_stop_wakes_workers_held_by_an_open_breaker(tmp_path: Path) -> None:
+    stop = StopFlag()
+    with StubServer() as stub:
+        stub.go_down()
+        threading.Timer(0.5, stop.request).start()
+        start = time.monotonic()
+        assert run_job(job(tmp_path, [f"doc {i}" for i in range(10)]), backend(stub, concurrency=4,
+                       retry=OUTAGE_RETRY), stop=stop) == 130
+        assert time.monotonic() - start < 3
+    assert read_jsonl(tmp_path / "out/errors.jsonl") == []  # held requests are not done, not failed
+
+
+def test_after_giving_up_the_next_run_probes_once() -> None:
+    """A Ray replica runs batch after batch (and a failed one again, request by request): once the
+    endpoint was given up on, each run asks once and fails at once, until it answers again."""
+    give_up_fast = RetryPolicy(retry_for=1, base_delay=0.01, max_delay=0.05)
+
+    def one_run(ep: EndpointBackend) -> list[str]:
+        rows = RowList()
+        ep.run(iter([BatchRequest(1, "a", "/v1/completions", {"prompt": "a"})]), ResultSink(rows, rows, None),
+               StopFlag())
+        return [r["custom_id"] for r in rows if r["error"] is None]
+
+    with StubServer() as stub:
+        ep = backend(stub, concurrency=2, retry=give_up_fast)
+        stub.go_down()
+        with pytest.raises(JobFailed, match="has not answered for 1 s"):
+            one_run(ep)
+        before = dict(stub.down_hits)
+        with pytest.raises(JobFailed, match="re-run the same command"):
+            one_run(ep)
+        assert stub.down_hits == {"POST": before["POST"], "GET": before["GET"] + 1}
+        stub.come_back()
+        assert one_run(ep) == ["a"]
+
+
+class RowList(list[dict]):
+    def write(self, row: dict) -> None:
+        self.append(row)
+
+
+def _unused_url() -> str:
+    """A port nothing listens on: connections are refused, like a server that was killed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
 
 
 def test_retry_after_is_honoured_over_the_backoff(tmp_path: Path) -> None:

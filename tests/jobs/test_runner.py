@@ -97,6 +97,26 @@ def test_a_different_job_is_refused(tmp_path: Path, echo: EchoBackend) -> None:
         run_job(config(tmp_path, path), echo)
     assert run_job(config(tmp_path, path, overwrite=True), EchoBackend()) == 0
     assert_exactly_once(tmp_path / "out", 2)
+    with pytest.raises(JobError, match="temperature was unset, now 0.5"):  # not "was None"
+        run_job(config(tmp_path, path, options=DocumentOptions(max_tokens=4, temperature=0.5)), echo)
+
+
+class SignalAfterLastRow(EchoBackend):
+    """A SIGTERM that arrives once every row is written (a supervisor's stop, a tidy Ctrl-C)."""
+
+    def run(self, requests, sink, stop):  # type: ignore[no-untyped-def]
+        stats = super().run(requests, sink, stop)
+        stop.request()
+        return stats
+
+
+def test_a_signal_after_the_last_row_is_not_an_interruption(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_jsonl(tmp_path / "in.jsonl", [batch_line("a", "x"), batch_line("b", "y")])
+    assert run_job(config(tmp_path, path), SignalAfterLastRow()) == 0
+    assert "Re-run" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "out/summary.json").read_text())["interrupted"] is False
 
 
 def test_cost_in_the_summary(tmp_path: Path, echo: EchoBackend, capsys: pytest.CaptureFixture[str]) -> None:

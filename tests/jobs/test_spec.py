@@ -47,7 +47,7 @@ def test_every_bad_batch_line_is_reported_by_number(tmp_path: Path) -> None:
     assert [e.custom_id for e in spec.entries] == ["r-1", "r-2"]
     assert [e.message for e in spec.errors] == [
         'line 3: unknown url "/v1/embeddings" (supported: /v1/chat/completions, /v1/completions)',
-        "line 4: not JSON (Expecting ',' delimiter: line 1 column 21)",
+        "line 4: not JSON (Expecting ',' delimiter at column 21)",
         "line 5: expected a JSON object, got a list",
         'line 6: method "GET" is not supported (only "POST")',
         'line 7: missing field "custom_id"',
@@ -55,8 +55,8 @@ def test_every_bad_batch_line_is_reported_by_number(tmp_path: Path) -> None:
         'line 9: duplicate custom_id "r-1" (first seen on line 1)',
         'line 10: missing field "body.prompt"',
         "line 11: body.messages must be a non-empty list, got []",
-        "line 12: body.max_tokens must be a positive integer, got 0",
-        "line 13: body.temperature must be a number >= 0, got -1",
+        "line 12: body.max_tokens must be >= 1, got 0",
+        "line 13: body.temperature must be in [0, 2], got -1",
         'line 14: "custom_id" must be a non-empty string, got 14',
         "line 15: body.prompt must be one string or a list of token ids (one prompt per line)",
         'line 16: "body" must be a JSON object, got a string',
@@ -65,6 +65,33 @@ def test_every_bad_batch_line_is_reported_by_number(tmp_path: Path) -> None:
     ]
     assert spec.errors[6].custom_id == "r-1" and spec.errors[4].custom_id is None
     assert spec.num_lines == 18
+
+
+def test_values_are_refused_by_type_and_range_not_coerced(tmp_path: Path) -> None:
+    """Whatever backend runs it: a string "5", true, Infinity, 1,000 stop strings, a negative token
+    id or a seed past 64 bits is refused by name; and a cut-off line says where it broke."""
+    rows = [
+        batch_line("ok", "x", max_tokens=5, temperature=2, stop=["a"] * 16, seed=2**64 - 1),
+        batch_line("str", "x", max_tokens="5"),
+        batch_line("bool", "x", max_tokens=True),
+        '{"custom_id": "inf", "url": "/v1/completions", "body": {"prompt": "x", "temperature": Infinity}}',
+        batch_line("stops", "x", stop=["s"] * 1000),
+        batch_line("ids", "x", stop_token_ids=[-1]),
+        batch_line("seed", "x", seed=2**80),
+        '{"custom_id": "cut", "url": "/v1/completions", "body": {"prompt": "x"',
+    ]
+    spec = read_input(write_jsonl(tmp_path / "in.jsonl", rows), DocumentOptions())
+    assert [e.custom_id for e in spec.entries] == ["ok"]
+    assert [e.message for e in spec.errors] == [
+        'line 2: body.max_tokens must be an integer, got "5"',
+        "line 3: body.max_tokens must be an integer, got true",
+        "line 4: body.temperature must be a finite number, got Infinity",
+        'line 5: body.stop must be a non-empty string or a list of at most 16 non-empty strings, got ["s", '
+        '"s", "s", "s", "s", "s", "s", "s", "s", "s", "s", "s",… (5,000 characters)',
+        "line 6: body.stop_token_ids must be a list of token ids (integers >= 0), got [-1]",
+        f"line 7: body.seed must be in [{-(2**63)}, {2**64 - 1}], got {2**80}",
+        "line 8: not JSON (Expecting ',' delimiter at the end of the line)",
+    ]
 
 
 def test_blank_lines_are_skipped_and_lines_keep_their_numbers(tmp_path: Path) -> None:
@@ -156,11 +183,11 @@ def test_embedded_backend_rules_are_checked_up_front(tmp_path: Path) -> None:
          "body": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]}},
     ]
     path = write_jsonl(tmp_path / "in.jsonl", rows)
-    backend = EmbeddedBackend()  # nothing is loaded until start()
+    backend = EmbeddedBackend(load_to_check=False)  # the body rules alone: no model loaded
     assert errors_of(path, check=backend.check) == [
         "line 2: body.n = 2: the embedded engine returns one choice per request",
         "line 3: body.tools is not supported by the embedded engine",
-        "line 4: body.top_p must be in (0, 1], got 2.0",
+        "line 4: body.top_p must be in (0, 1], got 2",
         "line 5: body.messages[0]: only text content parts are supported by the embedded engine",
     ]
 

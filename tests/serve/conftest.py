@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,9 +27,10 @@ def serve_llm(smollm_weights) -> LLM:
     return LLM(weights=smollm_weights, max_num_seqs=32, max_model_len=512, scheduling_policy="priority")
 
 
-def serving(llm: LLM, state_dir: Path, api_key: str | None = None) -> AbstractContextManager[Running]:
-    """The shared test server, serving the model as MODEL."""
-    return serve_helpers.serving(llm, state_dir, MODEL, api_key)
+def serving(llm: LLM, state_dir: Path, api_key: str | None = None,
+            **state_options: Any) -> AbstractContextManager[Running]:
+    """The shared test server, serving the model as MODEL; `state_options` go to ServeState."""
+    return serve_helpers.serving(llm, state_dir, MODEL, api_key, **state_options)
 
 
 @pytest.fixture(scope="module")

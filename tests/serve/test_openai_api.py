@@ -223,6 +223,15 @@ BAD = [  # (body changes, status, param or code)
     ({"prompt": "word " * 600}, 400, "context_length_exceeded"),
     ({"logprobs": 3}, 400, "logprobs"),
     ({"model": None}, 400, "model"),
+    # refused, never coerced or passed on (each was a 200 or a 400 naming no field)
+    ({"max_tokens": "5"}, 400, "max_tokens"),
+    ({"max_tokens": True}, 400, "max_tokens"),
+    ({"temperature": 2.5}, 400, "temperature"),
+    ({"stop": ["x"] * 1000}, 400, "stop"),
+    ({"stop_token_ids": [10**9]}, 400, None),
+    ({"seed": 2**80}, 400, "seed"),
+    ({"top_k": "3"}, 400, "top_k"),
+    ({"ignore_eos": "yes"}, 400, "ignore_eos"),
 ]
 
 
@@ -235,6 +244,16 @@ def test_bad_completion_requests(server: Running, change: dict, status: int, wha
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     if what is not None:
         assert what in (error["param"], error["code"]), error
+
+
+def test_bad_chat_values_and_a_non_finite_number(server: Running) -> None:
+    wizard = {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 2}
+    response = httpx.post(f"{server.v1}/chat/completions", json=wizard)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    assert "role must be one of system, developer, user, assistant" in response.json()["error"]["message"]
+    raw = b'{"model": "%s", "prompt": "Hi", "max_tokens": 2, "temperature": Infinity}' % MODEL.encode()
+    response = httpx.post(f"{server.v1}/completions", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "temperature", response.text
 
 
 def test_bad_requests_through_the_client_and_raw(server: Running, client: openai.OpenAI) -> None:

@@ -44,9 +44,10 @@ def run(args: argparse.Namespace) -> int:
         outputs = llm.generate(prompts, params)
     wall = time.monotonic() - start
     for prompt, out in zip(prompts, outputs, strict=True):
-        print(f"\n>>> {prompt}\n{out.text.strip()}  [{out.finish_reason}, {out.num_output_tokens} tokens]")
+        answer = f"refused: {out.error}" if out.error else out.text.strip()
+        print(f"\n>>> {prompt[:200]}\n{answer}  [{out.finish_reason}, {out.num_output_tokens} tokens]")
     _print_summary(outputs, wall, args.price_per_hour)
-    return 0
+    return 1 if any(out.error for out in outputs) else 0  # the others were still answered
 
 
 def _print_summary(outputs: list[RequestOutput], wall: float, price_per_hour: float | None) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine, Prompt
+from tokenmill.engine.llm_engine import EngineRequest, LLMEngine, Prompt
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.models.loader import LoadedWeights
@@ -38,45 +38,70 @@ class LLM:
         prompts: Prompt | SequenceABC[Prompt],
         params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         progress: bool = True,
+        raise_on_error: bool = False,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`. Every request is validated before any runs."""
+        """Outputs in the order of `prompts`. Every request is validated before any runs; one the
+        engine refuses (longer than the context or the KV cache, a token id outside the vocabulary)
+        gets an output with finish_reason "error" and the reason in `error`, and the others run.
+        `raise_on_error`: raise that ValueError instead, before anything runs."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
-        if params is None or isinstance(params, SamplingParams):
-            param_list = [params or SamplingParams()] * len(prompt_list)
-        else:
-            param_list = list(params)
-            if len(param_list) != len(prompt_list):
-                raise ValueError(f"{len(param_list)} SamplingParams for {len(prompt_list)} prompts")
-        requests = [self.engine.process_request(p, sp) for p, sp in zip(prompt_list, param_list, strict=True)]
-        for request in requests:
-            self.engine.add_processed(request)
-        finished = self._run_to_completion(len(requests), progress)
-        return [finished[request.request_id] for request in requests]
+        prompt_list: list[Prompt] = list(prompts)  # type: ignore[arg-type]
+        return self._generate(prompt_list, params, progress, raise_on_error)
 
     def chat(
         self,
         conversations: Messages | SequenceABC[Messages],
         params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         progress: bool = True,
+        raise_on_error: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate (as `generate`)."""
         batch: SequenceABC[Messages] = (
             [conversations] if conversations and isinstance(conversations[0], dict)  # type: ignore[list-item]
             else conversations  # type: ignore[assignment]
         )
-        prompts: list[Prompt] = [
-            {"prompt": None, "prompt_token_ids": self.chat_token_ids(c)} for c in batch
-        ]
-        return self.generate(prompts, params, progress)
+        return self._generate(list(batch), params, progress, raise_on_error, chat=True)
+
+    def _generate(
+        self,
+        prompts: list[Prompt] | list[Messages],
+        params: SamplingParams | SequenceABC[SamplingParams] | None,
+        progress: bool,
+        raise_on_error: bool,
+        chat: bool = False,
+    ) -> list[RequestOutput]:
+        """Validate every request (a conversation goes through the chat template first, which may
+        refuse it too); a refusal becomes that request's error output."""
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompts)
+        else:
+            param_list = list(params)
+            if len(param_list) != len(prompts):
+                raise ValueError(f"{len(param_list)} SamplingParams for {len(prompts)} prompts")
+        slots: list[EngineRequest | RequestOutput] = []
+        for item, sp in zip(prompts, param_list, strict=True):
+            try:
+                prompt = {"prompt": None, "prompt_token_ids": self.chat_token_ids(item)} if chat else item  # type: ignore[arg-type]
+                slots.append(self.engine.process_request(prompt, sp))  # type: ignore[arg-type]
+            except ValueError as exc:
+                if raise_on_error:
+                    raise
+                slots.append(RequestOutput.refused(self.engine.new_request_id(), None, str(exc)))
+        accepted = [slot for slot in slots if isinstance(slot, EngineRequest)]
+        for request in accepted:
+            self.engine.add_processed(request)
+        finished = self._run_to_completion(len(accepted), progress)
+        return [finished[slot.request_id] if isinstance(slot, EngineRequest) else slot for slot in slots]
 
     def chat_token_ids(self, messages: Messages) -> list[int]:
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with plain prompts")
+        # The template only adds text: a conversation too long for the context is refused untemplated.
+        self.engine.check_prompt_chars(sum(len(m.get("content") or "") for m in messages))
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         # The template already wrote the special tokens (BOS included, where there is one).
         return list(tok.encode(text, add_special_tokens=False))

@@ -65,6 +65,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.eos_token_ids = self._eos_token_ids()
+        self.max_prompt_chars = self._max_prompt_chars()
         self.runner = ModelRunner(
             model, num_blocks, config.block_size, self.eos_token_ids, self.device,
             paged_kernel=self._kernel_wanted("decode_attention", fallback="sdpa"),
@@ -134,7 +135,30 @@ class LLMEngine:
             ids.append(tok_eos)
         return ids
 
+    def _max_prompt_chars(self) -> int | None:
+        """Characters beyond which a text surely has more tokens than the context holds, so a huge
+        prompt is refused before tokenizing it (seconds per megabyte, holding a thread): no token
+        covers more characters than the longest vocabulary entry. Twice that, for normalizers that
+        merge characters (NFC); None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        longest = max((len(token) for token in self.tokenizer.get_vocab()), default=1)
+        return 2 * longest * self.max_model_len
+
     # ---- requests -------------------------------------------------------------------------
+    def check_prompt_chars(self, num_chars: int) -> None:
+        """Refuse a text prompt of `num_chars` characters that cannot fit the context, without
+        tokenizing it (see `max_prompt_chars`). Raises ValueError."""
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            raise ValueError(
+                f"prompt has {num_chars:,} characters: more than a context of {self.max_model_len:,} tokens can "
+                f"hold with this tokenizer (at most {self.max_prompt_chars:,} characters), so it was refused "
+                "without tokenizing it"
+            )
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -148,6 +172,7 @@ class LLMEngine:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids")
+            self.check_prompt_chars(len(prompt))
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, SequenceABC) and all(isinstance(t, int) for t in prompt):
             return None, [int(t) for t in prompt]
@@ -165,7 +190,7 @@ class LLMEngine:
         Safe off the engine's thread when `params.seed` is set (otherwise a seed is drawn from
         the engine's own generator)."""
         params = params or SamplingParams()
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request_id = request_id if request_id is not None else self.new_request_id()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
@@ -178,15 +203,18 @@ class LLMEngine:
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise ValueError("prompt is empty (0 tokens)")
+        if len(ids) >= self.max_model_len:  # before the vocabulary scan: a huge list is refused at once
+            raise ValueError(
+                f"prompt has {len(ids):,} tokens but the context is {self.max_model_len:,} tokens "
+                "(at least one must be left to generate)"
+            )
         vocab = self.model_config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens "
-                "(at least one must be left to generate)"
-            )
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab})")
         most_tokens = min(len(ids) + params.max_tokens, self.max_model_len)
         needed = self.block_manager.blocks_for_tokens(most_tokens)
         if needed > self.block_manager.num_blocks:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from tokenmill.engine.sequence import RequestTimings
@@ -14,13 +15,20 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort"; None while unfinished
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"; None while unfinished
     stop_reason: int | str | None
     num_prompt_tokens: int
     num_cached_tokens: int
     num_preemptions: int
     timings: RequestTimings
     finished: bool
+    error: str | None = None  # why the request was refused (finish_reason "error")
+
+    @classmethod
+    def refused(cls, request_id: str, prompt: str | None, reason: str) -> RequestOutput:
+        """The output of a request the engine would not take (too long, a bad value): no tokens."""
+        return cls(request_id, prompt, [], "", [], "error", None, 0, 0, 0, RequestTimings(time.monotonic()),
+                   True, error=reason)
 
     @property
     def num_output_tokens(self) -> int:

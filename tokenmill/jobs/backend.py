@@ -23,7 +23,7 @@ from tokenmill.jobs.spec import BatchRequest
 class BackendStats:
     """What a backend measured while running. Engine numbers are None for an endpoint."""
 
-    load_s: float = 0.0
+    load_s: float = 0.0  # loading the model / connecting, as the backend measured it
     prefill_tokens: int | None = None  # tokens computed from known tokens (prompt, recompute)
     decode_tokens: int | None = None  # tokens computed from the previous step's sample
     prefill_s: float | None = None  # time of engine steps that computed any prefill token
@@ -125,3 +125,11 @@ class SharesMachine(Protocol):
     """A backend that sizes itself from the machine, and can be told it gets only part of one."""
 
     def share_machine(self, share: float) -> None: ...
+
+
+@runtime_checkable
+class LoadsToCheck(Protocol):
+    """A backend whose `check` loads its model (to refuse a prompt too long for it up front). A
+    driver that only hands requests to replicas (Ray) turns that off: no model where none runs."""
+
+    def check_without_loading(self) -> None: ...

@@ -16,7 +16,7 @@ from tokenmill.jobs.output import JobError, JobFailed
 from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.spec import FORMATS, DocumentOptions
 
-EXIT_JOB_FAILED = 3  # started, then could not go on (a stalled Ray job); a re-run resumes
+EXIT_JOB_FAILED = 3  # started, then could not go on (Ray stalled, endpoint down past --retry-for); re-run resumes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ep.add_argument("--concurrency", type=int, default=16,
                     help="requests in flight (default 16; with --ray, in all replicas together)")
     ep.add_argument("--timeout", type=float, default=600.0, help="seconds per attempt (default 600)")
-    ep.add_argument("--max-attempts", type=int, default=6, help="tries per request (default 6)")
+    ep.add_argument("--retry-for", type=float, default=600.0, metavar="SECONDS",
+                    help="keep retrying a request's 429s, 5xx, timeouts and lost connections this long; an "
+                    "endpoint that stays down this long (no answer to probes) ends the job with exit 3, and a "
+                    "re-run resumes (default 600)")
+    ep.add_argument("--max-attempts", type=int,
+                    help="also cap the tries per request (default: no cap, --retry-for decides)")
     run = parser.add_argument_group("running")
     run.add_argument("--order", choices=ORDERS, default="input",
                      help="input order, or the biggest requests first, in length buckets (see docs/jobs.md)")
@@ -128,7 +133,7 @@ def _endpoint(args: argparse.Namespace, url: str, concurrency: int) -> Backend:
 
     return EndpointBackend(
         url, api_key=client_api_key(args.api_key), concurrency=concurrency, timeout=args.timeout,
-        retry=RetryPolicy(max_attempts=args.max_attempts), model=args.model,
+        retry=RetryPolicy(retry_for=args.retry_for, max_attempts=args.max_attempts), model=args.model,
     )
 
 

@@ -16,7 +16,7 @@ from tokenmill.environment import model_name
 from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
 from tokenmill.jobs.spec import BatchRequest
 from tokenmill.models.loader import LoadedWeights
-from tokenmill.openai_compat import check_request, engine_inputs, response_body
+from tokenmill.openai_compat import check_prompt_size, check_request, engine_inputs, response_body
 
 
 class EmbeddedBackend:
@@ -24,12 +24,17 @@ class EmbeddedBackend:
 
     def __init__(
         self, model: str | None = None, *, llm: LLM | None = None, weights: LoadedWeights | None = None,
-        window_factor: int = 2, **engine_config: Any,
+        window_factor: int = 2, load_to_check: bool = True, **engine_config: Any,
     ) -> None:
         """`llm`: an engine already built (tests share one model load); else one is built in `start`
         from `model` and `engine_config` (any EngineConfig field; checked here, before any work), on
-        `weights` when they are already loaded (they travel with the backend to Ray replicas)."""
-        self._llm, self._weights = llm, weights
+        `weights` when they are already loaded (they travel with the backend to Ray replicas).
+
+        `load_to_check`: `check` loads the engine, so that validation refuses a prompt too long
+        for its context (by a length bound, without tokenizing) before any work. Off on a Ray
+        driver (`check_without_loading`): there a replica's engine refuses it as cheaply."""
+        self._llm, self._weights, self._load_to_check = llm, weights, load_to_check
+        self._load_s = 0.0
         self._engine_config = {"model": model, **engine_config}
         config = llm.engine.config if llm else EngineConfig(**self._engine_config)
         self.window = max(1, window_factor * config.max_num_seqs)
@@ -38,11 +43,21 @@ class EmbeddedBackend:
     # ---- validation (before any work) -------------------------------------------------------
     def check(self, request: BatchRequest) -> None:
         check_request(request.url, request.body)
+        if self._load_to_check:
+            self.start()
+            assert self._llm is not None
+            check_prompt_size(request.url, request.body, self._llm)
+
+    def check_without_loading(self) -> None:
+        self._load_to_check = False
 
     # ---- running ------------------------------------------------------------------------------
     def start(self) -> None:
+        """Load the engine (once: `check` may have done it already)."""
         if self._llm is None:
+            start = time.monotonic()
             self._llm = LLM(weights=self._weights, **self._engine_config)
+            self._load_s = time.monotonic() - start
 
     def run(self, requests: Iterator[BatchRequest], sink: ResultSink, stop: StopFlag) -> BackendStats:
         assert self._llm is not None, "start() first"
@@ -62,8 +77,9 @@ class EmbeddedBackend:
                 if out.finished and out.request_id in inflight:
                     request = inflight.pop(out.request_id)
                     sink.result(request, response_body(request.url, out, self.model))
+        load_s, self._load_s = self._load_s, 0.0  # counted once, in the run after the load
         return BackendStats(
-            prefill_tokens=timer.prefill_tokens, decode_tokens=timer.decode_tokens,
+            load_s=load_s, prefill_tokens=timer.prefill_tokens, decode_tokens=timer.decode_tokens,
             prefill_s=timer.prefill_s, decode_s=timer.decode_s,
             num_preemptions=engine.stats().num_preemptions - preemptions0,
         )

@@ -38,8 +38,8 @@ class JobError(ValueError):
 
 
 class JobFailed(JobError):
-    """The job started but cannot go on (a Ray cluster stopped making progress); the rows written
-    so far are kept, and re-running the same command resumes."""
+    """The job started but cannot go on (a Ray cluster stopped making progress, an endpoint stayed
+    down past --retry-for); the rows written so far are kept, and re-running the same command resumes."""
 
 
 class RowWriter(Protocol):
@@ -284,6 +284,10 @@ def claim_outputs(paths: OutputPaths, job: dict[str, Any], overwrite: bool) -> b
     return False
 
 
+def _setting(value: Any) -> str:
+    return "unset" if value is None else repr(value)
+
+
 def _mismatch_message(paths: OutputPaths, old: dict[str, Any], new: dict[str, Any]) -> str:
     reasons = []
     if old.get("input_sha256") != new["input_sha256"]:
@@ -294,7 +298,7 @@ def _mismatch_message(paths: OutputPaths, old: dict[str, Any], new: dict[str, An
     old_settings, new_settings = old.get("settings") or {}, new["settings"]
     for key in sorted(old_settings.keys() | new_settings.keys()):
         if old_settings.get(key) != new_settings.get(key):
-            reasons.append(f"{key} was {old_settings.get(key)!r}, now {new_settings.get(key)!r}")
+            reasons.append(f"{key} was {_setting(old_settings.get(key))}, now {_setting(new_settings.get(key))}")
     return (
         f"{paths.results} belongs to a different job: {'; '.join(reasons) or 'its fingerprint differs'}. "
         "Re-run with the original input and options to resume it, choose another -o, "

@@ -23,7 +23,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tokenmill.jobs.backend import Abortable, Backend, BackendStats, ResultSink, SharesMachine, StopFlag
+from tokenmill.jobs.backend import (
+    Abortable,
+    Backend,
+    BackendStats,
+    LoadsToCheck,
+    ResultSink,
+    SharesMachine,
+    StopFlag,
+)
 from tokenmill.jobs.output import WORKER_ERROR, JobError, JobFailed
 from tokenmill.jobs.spec import BatchRequest
 
@@ -66,14 +74,20 @@ class RayBackend:
         except ImportError as exc:
             raise JobError(f"--ray needs Ray Data ({exc}); install it with {INSTALL_HINT}") from None
         self.backends, self.options = tuple(backends), options
+        for backend in self.backends:  # the replicas load the model; this driver only checks bodies
+            if isinstance(backend, LoadsToCheck):
+                backend.check_without_loading()
         self.kind = backends[0].kind  # the same job as without --ray: a run can resume the other's files
         self.model = backends[0].model
+        self._connect_s = 0.0
 
     def check(self, request: BatchRequest) -> None:
         self.backends[0].check(request)
 
     def start(self) -> None:
+        start = time.monotonic()
         connect(self.options)
+        self._connect_s = time.monotonic() - start
 
     def run(self, requests: Iterator[BatchRequest], sink: ResultSink, stop: StopFlag) -> BackendStats:
         import ray
@@ -101,6 +115,7 @@ class RayBackend:
         except ray.exceptions.RayError as exc:
             raise JobFailed(f"the Ray job failed: {_first_line(exc)}; {len(written)} row(s) written this run "
                             "are kept; re-run the same command to resume") from exc
+        totals.load_s += self._connect_s  # the replicas load side by side, after connecting
         return totals
 
 

@@ -84,16 +84,14 @@ def run_job(
         sink = ResultSink(results, errors, None)
         if todo:
             with stop_on_signals(stop):
-                load_start = time.monotonic()
                 _say(console, f"starting the {backend.kind} backend ({backend.model}) for {len(todo)} request(s)")
-                backend.start()
-                load_s = time.monotonic() - load_start
+                backend.start()  # backends report their own load time in their stats (an embedded
+                # engine may have loaded already, to check the input)
                 sink.progress = JobProgress(spec.num_lines, spec.num_lines - len(todo), console, config.progress)
                 start = time.monotonic()
                 with sink.progress:
                     stats = backend.run(spec.requests(todo), sink, stop)
                 wall = time.monotonic() - start
-                stats.load_s += load_s  # a Ray backend reports its replicas' loads, inside `wall`
     finally:
         results.close()
         errors.close()

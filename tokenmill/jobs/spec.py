@@ -23,7 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenmill.openai_compat import CHAT_URL, COMPLETIONS_URL, SUPPORTED_URLS, requested_max_tokens
+from tokenmill.openai_compat import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    SUPPORTED_URLS,
+    RequestError,
+    check_fields,
+    requested_max_tokens,
+)
 
 FORMATS = ("auto", "batch", "jsonl", "text")
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".csv", ".tsv")
@@ -183,25 +190,43 @@ def parse_line(
     first_seen: dict[str, int] | None = None,
 ) -> BatchRequest:
     """One input line → a request; raises LineError. `first_seen` collects ids for duplicates."""
+    if fmt == "text":
+        custom_id = f"line-{number}"
+        _check_unique(custom_id, number, first_seen)
+        return _document_request(number, custom_id, decode_line(raw, number).strip(), options)
+    obj = json_object_line(raw, number)
+    if fmt == "batch":
+        return _batch_request(number, obj, options, first_seen)
+    return _simple_request(number, obj, options, first_seen)
+
+
+def decode_line(raw: bytes, number: int) -> str:
+    """A line as text (a byte-order mark on the first line dropped); LineError if not UTF-8."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise LineError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    if number == 1:
-        text = text.lstrip("\ufeff")
-    if fmt == "text":
-        custom_id = f"line-{number}"
-        _check_unique(custom_id, number, first_seen)
-        return _document_request(number, custom_id, text.strip(), options)
+    return text.lstrip("\ufeff") if number == 1 else text
+
+
+def json_object_line(raw: bytes, number: int) -> dict[str, Any]:
+    """A JSONL line's object; LineError saying where it is not one (also for a blank line)."""
+    text = decode_line(raw, number)
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise LineError(f"not JSON ({exc.msg}: line {exc.lineno} column {exc.colno})") from None
+        raise LineError(f"not JSON ({_where(exc, text)})") from None
     if not isinstance(obj, dict):
         raise LineError(f"expected a JSON object, got {_json_type(obj)}")
-    if fmt == "batch":
-        return _batch_request(number, obj, options, first_seen)
-    return _simple_request(number, obj, options, first_seen)
+    return obj
+
+
+def _where(exc: json.JSONDecodeError, text: str) -> str:
+    """Where in the file's line the JSON broke: a column, or its end (the parser counts the line's
+    own newline as a second line)."""
+    if exc.pos >= len(text.rstrip("\r\n")):
+        return f"{exc.msg} at the end of the line"
+    return f"{exc.msg} at column {exc.pos + 1}"
 
 
 def _batch_request(
@@ -293,13 +318,10 @@ def _check_body(url: str, body: dict[str, Any], prefix: str = "body.") -> None:
             raise LineError(f"{prefix}prompt must be one string or a list of token ids (one prompt per line)")
         if not is_ids and (not isinstance(prompt, str) or not prompt):
             raise LineError(f"{prefix}prompt must be a non-empty string, got {json.dumps(prompt)[:60]}")
-    for name in ("max_tokens", "max_completion_tokens", "n"):
-        value = body.get(name)
-        if value is not None and (type(value) is not int or value <= 0):
-            raise LineError(f"{prefix}{name} must be a positive integer, got {json.dumps(value)}")
-    temperature = body.get("temperature")
-    if temperature is not None and (type(temperature) not in (int, float) or temperature < 0):
-        raise LineError(f"{prefix}temperature must be a number >= 0, got {json.dumps(temperature)}")
+    try:
+        check_fields(body)  # types and ranges, as a server checks them
+    except RequestError as exc:
+        raise LineError(str(exc).replace("body.", prefix, 1)) from None
 
 
 def _check_messages(body: dict[str, Any], prefix: str) -> None:

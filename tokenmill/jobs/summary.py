@@ -80,7 +80,9 @@ def build_summary(
     }
     return Summary(
         input_path=str(config.input), results_path=str(paths.results), errors_path=str(paths.errors),
-        backend=backend.kind, model=backend.model, interrupted=interrupted, requests=requests, tokens=tokens,
+        backend=backend.kind, model=backend.model,
+        interrupted=interrupted and requests["not_done"] > 0,  # a signal after the last row stopped nothing
+        requests=requests, tokens=tokens,
         engine=engine, time={"load_s": round(stats.load_s, 3), "wall_s": round(wall, 3)},
         throughput=throughput, cost=_cost(config.price_per_hour, output_rate, wall),
     )

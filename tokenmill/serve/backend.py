@@ -11,16 +11,20 @@ import asyncio
 import queue
 import random
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine import LLM, EngineRequest, RequestOutput
 from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
 from tokenmill.jobs.spec import BatchRequest
-from tokenmill.openai_compat import RequestError, check_request, engine_inputs, response_body
+from tokenmill.openai_compat import RequestError, check_prompt_size, check_request, engine_inputs, response_body
 from tokenmill.serve.engine_loop import EngineLoop
 
 LIVE_PRIORITY, BATCH_PRIORITY = 0, 1  # under the "priority" policy live traffic goes first
+# Threads that tokenize live requests (and render their chat templates). Tokenizing a long prompt
+# takes a while; on the event loop it would stall every other client, every stream and /health.
+TOKENIZER_THREADS = 2
 
 
 @dataclass
@@ -37,6 +41,7 @@ class ServingBackend:
         self.llm, self.loop, self.model = llm, loop, model
         self.batch_id, self.endpoint = batch_id, endpoint
         self.window = llm.engine.config.max_num_seqs  # batch requests in the engine at once: a full batch
+        self._tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenmill-tokenize")
 
     def check(self, request: BatchRequest) -> None:
         if self.endpoint and request.url != self.endpoint:
@@ -49,12 +54,21 @@ class ServingBackend:
 
     # ---- one request ----------------------------------------------------------------------------
     def prepare(self, request: BatchRequest, priority: int = LIVE_PRIORITY) -> Prepared:
-        """Validate and tokenize; raises ValueError (a 400) naming the problem. Touches no engine state."""
+        """Validate and tokenize; raises ValueError (a 400) naming the problem. Touches no engine state.
+        A text prompt too long for the context is refused by its length, before tokenizing."""
         self.check(request)
+        check_prompt_size(request.url, request.body, self.llm)
         prompt, params = engine_inputs(request.url, request.body, self.llm)
         if params.seed is None:  # drawn here: the engine's own seed generator belongs to its thread
             params.seed = random.getrandbits(62)
         return Prepared(request, self.llm.engine.process_request(prompt, params, request.custom_id, priority))
+
+    async def prepare_off_loop(self, request: BatchRequest) -> Prepared:
+        """`prepare` for a live request, on a tokenizer thread (see TOKENIZER_THREADS)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizers, self.prepare, request)
+
+    def close(self) -> None:
+        self._tokenizers.shutdown(wait=False, cancel_futures=True)
 
     def response_body(self, prepared: Prepared, out: RequestOutput) -> dict[str, Any]:
         return response_body(prepared.request.url, out, self.model, prepared.request.custom_id)

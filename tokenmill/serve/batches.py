@@ -13,6 +13,7 @@ start-up; the job runner skips every line that already has a result.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import queue
@@ -20,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from rich.console import Console
 
@@ -28,10 +29,11 @@ from tokenmill.jobs.backend import StopFlag
 from tokenmill.jobs.config import JobConfig
 from tokenmill.jobs.output import JobError, write_json_atomic
 from tokenmill.jobs.runner import run_job
-from tokenmill.jobs.spec import DocumentOptions, read_input
+from tokenmill.jobs.spec import DocumentOptions, LineError, json_object_line, read_input
 from tokenmill.openai_compat import SUPPORTED_URLS, new_id
 from tokenmill.serve.backend import ServingBackend
 from tokenmill.serve.errors import APIError, bad_request
+from tokenmill.serve.limits import too_large
 
 log = logging.getLogger(__name__)
 
@@ -45,24 +47,99 @@ class FileStore:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def create(self, data: bytes, filename: str, purpose: str, path: Path | None = None) -> dict[str, Any]:
-        """Store uploaded bytes, or register a file the server wrote (`path`, e.g. a batch's results)."""
+        """Store bytes, or register a file the server wrote (`path`, e.g. a batch's results)."""
         file_id = new_id("file-")
         if path is None:
             path = self.root / f"{file_id}.jsonl"
             path.write_bytes(data)
+        return self._register(file_id, path, filename, purpose)
+
+    def upload(self, source: BinaryIO, filename: str, purpose: str, max_bytes: int,
+               max_line_bytes: int) -> dict[str, Any]:
+        """Copy an uploaded batch input in, line by line, checking that it is JSONL as it goes.
+
+        Refused (APIError, nothing kept) when it is over `max_bytes` (413), has a line over
+        `max_line_bytes` or one that is not a UTF-8 JSON object, or has no request at all (400).
+        Blocking (a 200 MB file takes seconds to check): the route calls it on a worker thread."""
+        file_id = new_id("file-")
+        path = self.root / f"{file_id}.jsonl"
+        partial = path.with_suffix(".part")  # never seen by get() or list(): no .json beside it
+        try:
+            with partial.open("wb") as out:
+                _copy_jsonl(source, out, max_bytes, max_line_bytes)
+            partial.rename(path)
+        finally:
+            partial.unlink(missing_ok=True)
+        return self._register(file_id, path, filename, purpose)
+
+    def get(self, file_id: str) -> dict[str, Any]:
+        try:
+            text = self._meta(file_id).read_text()
+        except (OSError, ValueError):  # no such file, or a name no file can have (too long, a NUL byte)
+            raise APIError(404, f"No such File object: {file_id}", param="file_id", code="file_not_found") from None
+        return json.loads(text)
+
+    def path(self, file_id: str) -> Path:
+        return Path(self.get(file_id)["_path"])
+
+    def list(self, purpose: str | None = None) -> list[dict[str, Any]]:
+        """Every file (with `purpose`, only those), newest first."""
+        files = []
+        for meta in self.root.glob("*.json"):
+            try:
+                obj = json.loads(meta.read_text())
+            except FileNotFoundError:  # deleted since the glob
+                continue
+            if purpose is None or obj["purpose"] == purpose:
+                files.append(obj)
+        return sorted(files, key=lambda f: (f["created_at"], f["id"]), reverse=True)
+
+    def delete(self, file_id: str) -> dict[str, Any]:
+        path = self.path(file_id)  # a 404 for an unknown id
+        self._meta(file_id).unlink(missing_ok=True)  # first: from here on the file is gone for everyone
+        path.unlink(missing_ok=True)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    def _meta(self, file_id: str) -> Path:
+        return self.root / f"{Path(file_id).name}.json"  # .name: an id is never a path
+
+    def _register(self, file_id: str, path: Path, filename: str, purpose: str) -> dict[str, Any]:
         obj = {"id": file_id, "object": "file", "bytes": path.stat().st_size, "created_at": int(time.time()),
                "filename": filename, "purpose": purpose, "status": "processed", "_path": str(path)}
         write_json_atomic(self.root / f"{file_id}.json", obj)
         return obj
 
-    def get(self, file_id: str) -> dict[str, Any]:
-        meta = self.root / f"{Path(file_id).name}.json"  # .name: an id is never a path
-        if not meta.is_file():
-            raise APIError(404, f"No such File object: {file_id}", param="file_id", code="file_not_found")
-        return json.loads(meta.read_text())
 
-    def path(self, file_id: str) -> Path:
-        return Path(self.get(file_id)["_path"])
+def _copy_jsonl(source: BinaryIO, out: BinaryIO, max_bytes: int, max_line_bytes: int) -> None:
+    """Copy `source` to `out` a line at a time (never more than `max_line_bytes` in memory),
+    refusing at the first line that is not a JSON object and at `max_bytes` in all."""
+    copied, request_lines = 0, 0
+    for number in itertools.count(1):
+        line = source.readline(max_line_bytes + 1)  # +1: a longer line is cut there, and seen to be
+        if not line:
+            break
+        copied += len(line)
+        if copied > max_bytes:
+            raise too_large("the file", max_bytes, "--max-upload-bytes")
+        if len(line.rstrip(b"\r\n")) > max_line_bytes:
+            raise bad_request(f"line {number}: longer than {max_line_bytes} bytes, the limit for one request "
+                              "(--max-request-bytes)", param="file")
+        request_lines += _check_line(line, number)
+        out.write(line)
+    if not request_lines:
+        raise bad_request("the file has no requests: a batch input is one JSON object per line", param="file")
+
+
+def _check_line(line: bytes, number: int) -> bool:
+    """Whether the line is a request (False: blank); a 400 naming the line if it is not a JSON
+    object (the job reader's rules, so a file accepted here reads there)."""
+    if not line.strip():
+        return False
+    try:
+        json_object_line(line, number)
+    except LineError as exc:
+        raise bad_request(f"line {number}: {exc}", param="file") from None
+    return True
 
 
 def public(obj: dict[str, Any]) -> dict[str, Any]:
@@ -127,9 +204,11 @@ class BatchManager:
 
     def get(self, batch_id: str) -> dict[str, Any]:
         path = self.root / f"{Path(batch_id).name}.json"
-        if not path.is_file():
-            raise APIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="batch_not_found")
-        obj = json.loads(path.read_text())
+        try:
+            text = path.read_text()
+        except (OSError, ValueError):  # no such batch, or a name no file can have (too long, a NUL byte)
+            raise APIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="batch_not_found") from None
+        obj = json.loads(text)
         if obj["status"] in ("in_progress", "cancelling"):  # live counts, straight from the output files
             counts = obj["request_counts"]
             counts["completed"], counts["failed"] = self._count_rows(batch_id)
@@ -143,6 +222,10 @@ class BatchManager:
         page = [self.get(b["id"]) for b in batches[:limit]]
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None, "has_more": len(batches) > limit}
+
+    def reading(self, file_id: str) -> str | None:
+        """The id of an active batch whose input is `file_id`, if any (such a file is not deleted)."""
+        return next((b["id"] for b in self._all() if b["status"] in ACTIVE and b["input_file_id"] == file_id), None)
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
         with self._lock:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tokenmill.engine.args import add_engine_arguments, engine_kwargs
 from tokenmill.environment import SERVER_API_KEY_ENV, cache_root, model_name, server_api_key
+from tokenmill.serve.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_UPLOAD_BYTES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,6 +20,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     state_dir = cache_root() / "serve"
     add("--state-dir", type=Path, default=state_dir,
         help=f"where Batch API files and batches are kept across restarts (default {state_dir})")
+    add("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest JSON request body (and line of an uploaded batch file); larger is a 413. Default "
+        f"{DEFAULT_MAX_REQUEST_BYTES} (10 MiB): a full-context prompt is a few MB, so only what would tie "
+        "the server up is refused")
+    add("--max-upload-bytes", type=int, default=DEFAULT_MAX_UPLOAD_BYTES,
+        help=f"largest file for POST /v1/files; larger is a 413. Default {DEFAULT_MAX_UPLOAD_BYTES} (200 MiB): "
+        "OpenAI takes Batch API input files up to 200 MB")
+    add("--no-docs", dest="docs", action="store_false",
+        help="serve no /docs, /redoc or /openapi.json (with --api-key they need the key too)")
     add("--log-level", default="info")
     # Live requests go ahead of Batch API lines under "priority".
     add_engine_arguments(parser, defaults={"scheduling_policy": "priority"})
@@ -35,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     state = ServeState(
         llm, model_name=args.served_model_name or model_name(args.model),
         state_dir=args.state_dir.expanduser(), api_key=server_api_key(args.api_key),
+        max_request_bytes=args.max_request_bytes, max_upload_bytes=args.max_upload_bytes, docs=args.docs,
     )
     print(f"tokenmill serve: {state.model_name} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -17,7 +17,15 @@ from starlette.types import Receive, Scope, Send
 
 from tokenmill.engine import RequestOutput
 from tokenmill.jobs.spec import BatchRequest
-from tokenmill.openai_compat import CHAT_URL, COMPLETIONS_URL, new_response_id, usage
+from tokenmill.openai_compat import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    MAX_STOP_SEQUENCES,
+    MAX_TEMPERATURE,
+    SEED_RANGE,
+    new_response_id,
+    usage,
+)
 from tokenmill.serve.backend import Prepared, RequestStream
 from tokenmill.serve.errors import APIError, bad_request, from_value_error
 from tokenmill.serve.state import ServeState
@@ -33,14 +41,17 @@ class StreamOptions(BaseModel):
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")  # other fields reach the backend's checks, which refuse
     # what would change the answer (tools, logprobs, ...) and ignore the rest (user, metadata, ...)
+    # strict: a string "5" or `true` is refused, not coerced; the ranges are openai_compat's, which
+    # checks them again for batch lines (and the rest of the fields)
     model: str
-    max_tokens: int | None = Field(None, gt=0)
-    max_completion_tokens: int | None = Field(None, gt=0)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
+    max_tokens: int | None = Field(None, strict=True, ge=1)
+    max_completion_tokens: int | None = Field(None, strict=True, ge=1)
+    temperature: float | None = Field(None, strict=True, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    top_p: float | None = Field(None, strict=True, gt=0, le=1, allow_inf_nan=False)
+    # lt 2**64, not le 2**64 - 1: the schema writes bounds as floats, and 2**64 - 1 reads as 2**64
+    seed: int | None = Field(None, strict=True, ge=SEED_RANGE[0], lt=SEED_RANGE[1] + 1)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    n: int = Field(1, strict=True)
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -94,7 +105,7 @@ def _one_prompt(prompt: Any) -> Any:
 async def _serve(state: ServeState, request: Request, body: _Body, req: BatchRequest) -> Any:
     state.check_model(body.model)
     try:
-        prepared = state.backend.prepare(req)
+        prepared = await state.backend.prepare_off_loop(req)
     except ValueError as exc:  # too long for the context, bad sampling values, unsupported fields
         raise from_value_error(exc) from None
     if body.stream:

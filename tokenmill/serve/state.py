@@ -13,6 +13,7 @@ from tokenmill.serve.backend import ServingBackend
 from tokenmill.serve.batches import BatchManager, FileStore
 from tokenmill.serve.engine_loop import EngineLoop
 from tokenmill.serve.errors import APIError
+from tokenmill.serve.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_UPLOAD_BYTES
 from tokenmill.serve.metrics import ServeMetrics
 
 
@@ -22,6 +23,9 @@ class ServeState:
     model_name: str
     state_dir: Path
     api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a JSON body (413 over it)
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES  # a `POST /v1/files` file (413 over it)
+    docs: bool = True  # serve /docs, /redoc and /openapi.json
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -41,6 +45,7 @@ class ServeState:
     def close(self) -> None:
         self.batches.close()  # first: its in-flight requests are aborted through the loop
         self.loop.stop()
+        self.backend.close()
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:

@@ -1,0 +1,139 @@
+"""One huge or slow-to-tokenize request never stalls the server: beside it a stream keeps flowing
+and /health answers at once (issue: a 20 MB prompt froze every client for 52 s)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from tests.serve.conftest import MODEL, Running
+from tokenmill.engine.llm import LLM
+
+HEALTH_WITHIN_S = 0.1
+
+
+# Polls /health from another process until its stdin closes, then prints the slowest answer: in
+# this process the test's own threads would share the server's GIL and time each other.
+HEALTH_PROBE = """
+import sys, threading, time, httpx
+url, worst, stop = sys.argv[1], [0.0], threading.Event()
+def poll():
+    with httpx.Client() as client:
+        while not stop.is_set():
+            start = time.monotonic()
+            assert client.get(url).status_code == 200
+            worst[0] = max(worst[0], time.monotonic() - start)
+            time.sleep(0.01)
+thread = threading.Thread(target=poll)
+thread.start()
+print("polling", flush=True)
+sys.stdin.read()
+stop.set()
+thread.join()
+print(worst[0], flush=True)
+"""
+
+
+class Watch:
+    """Reads a stream (on a thread) and polls /health (in another process) while the test sends
+    something big; `worst_health_s` is set on exit."""
+
+    def __init__(self, server: Running) -> None:
+        self.server, self.chunk_times, self.worst_health_s, self.after = server, [], 0.0, 0
+        self._done = threading.Event()
+        self._stream_thread = threading.Thread(target=self._stream)
+        self._probe = subprocess.Popen([sys.executable, "-c", HEALTH_PROBE, f"{server.url}/health"],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def __enter__(self) -> Watch:
+        self._stream_thread.start()
+        assert self._probe.stdout is not None and self._probe.stdout.readline() == "polling\n"
+        wait_until(lambda: len(self.chunk_times) >= 3, "the stream started")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._stream_thread.join(timeout=60)
+        out, _ = self._probe.communicate(timeout=60)
+        self.worst_health_s = float(out)
+
+    def _stream(self) -> None:
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{self.server.v1}/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    self.chunk_times.append(time.monotonic())
+                if self._done.is_set():
+                    return
+
+    def tokens_between(self, start: float, end: float) -> int:
+        return sum(start <= t <= end for t in self.chunk_times)
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.02)
+
+
+def send_beside_a_stream(server: Running, route: str, body: dict) -> tuple[httpx.Response, Watch]:
+    # Encoded before the watch starts: json.dumps of megabytes holds this process's GIL, the server's too.
+    content = json.dumps({"model": MODEL, "max_tokens": 2, **body}).encode()
+    with Watch(server) as watch:
+        response = httpx.post(f"{server.v1}/{route}", content=content, timeout=120,
+                              headers={"content-type": "application/json"})
+        end = time.monotonic()
+        time.sleep(0.5)
+        watch.after = watch.tokens_between(end, end + 0.5)
+    assert watch.worst_health_s < HEALTH_WITHIN_S, f"/health took {watch.worst_health_s:.3f} s"
+    assert watch.after >= 1, "the stream stopped"
+    return response, watch
+
+
+@pytest.mark.slow
+def test_a_20_mb_body_is_refused_before_it_is_read(server: Running) -> None:
+    response, _ = send_beside_a_stream(server, "completions", {"prompt": "word " * (20 * 10**6 // 5)})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_a_prompt_far_over_the_context_is_refused_without_tokenizing(server: Running, route: str) -> None:
+    """8 MB, under the body limit: refused by its length (tokenizing it would take ~40 s)."""
+    text = "word " * (8 * 10**6 // 5)
+    body = {"prompt": text} if route == "completions" else {"messages": [{"role": "user", "content": text}]}
+    response, _ = send_beside_a_stream(server, route, body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "8,000,000 characters" in error["message"]
+
+
+@pytest.mark.slow
+def test_tokenizing_runs_off_the_event_loop(server: Running, serve_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt that is slow to tokenize (here: made slow) holds a tokenizer thread, not the server."""
+    encode = serve_llm.tokenizer.encode
+
+    def slow_encode(text: str, *args, **kw):  # type: ignore[no-untyped-def]
+        if "SLOW" in text:
+            time.sleep(2.0)
+        return encode(text, *args, **kw)
+
+    monkeypatch.setattr(serve_llm.tokenizer, "encode", slow_encode)
+    with Watch(server) as watch:
+        start = time.monotonic()
+        response = httpx.post(f"{server.v1}/completions", timeout=60,
+                              json={"model": MODEL, "prompt": "SLOW: the capital of France is", "max_tokens": 2})
+        end = time.monotonic()
+        during = watch.tokens_between(start + 0.2, end - 0.2)
+    assert response.status_code == 200 and end - start >= 2.0
+    assert watch.worst_health_s < HEALTH_WITHIN_S, f"/health took {watch.worst_health_s:.3f} s"
+    assert during >= 2, "the stream waited for the tokenizer"
