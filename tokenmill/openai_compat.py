@@ -66,13 +66,12 @@ def check_request(url: str, body: dict[str, Any]) -> None:
     for name in UNSUPPORTED_FIELDS:
         if body.get(name) not in (None, False, 0, [], {}):
             raise RequestError(f"body.{name} is not supported by the embedded engine", name)
-    check_fields(body)
+    sampling_params(body)  # every field's type and range (check_fields), and how they combine
     n = body.get("n", 1)
     if n != 1:
         raise RequestError(f"body.n = {n}: the embedded engine returns one choice per request", "n")
     if url == CHAT_URL:
         chat_messages(body["messages"])
-    sampling_params(body)
 
 
 def check_fields(body: dict[str, Any]) -> None:

@@ -89,7 +89,7 @@ class LLM:
             except ValueError as exc:
                 if raise_on_error:
                     raise
-                slots.append(RequestOutput.refused(self.engine.new_request_id(), None, str(exc)))
+                slots.append(RequestOutput.refused(self.engine.new_request_id(), str(exc)))
         accepted = [slot for slot in slots if isinstance(slot, EngineRequest)]
         for request in accepted:
             self.engine.add_processed(request)

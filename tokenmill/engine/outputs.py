@@ -25,9 +25,9 @@ class RequestOutput:
     error: str | None = None  # why the request was refused (finish_reason "error")
 
     @classmethod
-    def refused(cls, request_id: str, prompt: str | None, reason: str) -> RequestOutput:
+    def refused(cls, request_id: str, reason: str) -> RequestOutput:
         """The output of a request the engine would not take (too long, a bad value): no tokens."""
-        return cls(request_id, prompt, [], "", [], "error", None, 0, 0, 0, RequestTimings(time.monotonic()),
+        return cls(request_id, None, [], "", [], "error", None, 0, 0, 0, RequestTimings(time.monotonic()),
                    True, error=reason)
 
     @property

@@ -18,7 +18,7 @@ from typing import Any
 from tokenmill.engine import LLM, EngineRequest, RequestOutput
 from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
 from tokenmill.jobs.spec import BatchRequest
-from tokenmill.openai_compat import RequestError, check_prompt_size, check_request, engine_inputs, response_body
+from tokenmill.openai_compat import RequestError, check_request, engine_inputs, response_body
 from tokenmill.serve.engine_loop import EngineLoop
 
 LIVE_PRIORITY, BATCH_PRIORITY = 0, 1  # under the "priority" policy live traffic goes first
@@ -55,9 +55,9 @@ class ServingBackend:
     # ---- one request ----------------------------------------------------------------------------
     def prepare(self, request: BatchRequest, priority: int = LIVE_PRIORITY) -> Prepared:
         """Validate and tokenize; raises ValueError (a 400) naming the problem. Touches no engine state.
-        A text prompt too long for the context is refused by its length, before tokenizing."""
+        (A text prompt far too long for the context is refused by its length, before tokenizing: the
+        engine checks it in `chat_token_ids` and `process_request`.)"""
         self.check(request)
-        check_prompt_size(request.url, request.body, self.llm)
         prompt, params = engine_inputs(request.url, request.body, self.llm)
         if params.seed is None:  # drawn here: the engine's own seed generator belongs to its thread
             params.seed = random.getrandbits(62)
