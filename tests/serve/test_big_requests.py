@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,7 +21,9 @@ HEALTH_WITHIN_S = 0.1
 
 
 # Polls /health from another process until its stdin closes, then prints the slowest answer: in
-# this process the test's own threads would share the server's GIL and time each other.
+# this process the test's own threads would share the server's GIL and time each other (the server
+# runs in this process: a big body sent from here measured 0.1-0.2 s stalls that a separate
+# `tokenmill serve` does not have).
 HEALTH_PROBE = """
 import sys, threading, time, httpx
 url, worst, stop = sys.argv[1], [0.0], threading.Event()
@@ -85,35 +88,48 @@ def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30) ->
         time.sleep(0.02)
 
 
-def send_beside_a_stream(server: Running, route: str, body: dict) -> tuple[httpx.Response, Watch]:
-    # Encoded before the watch starts: json.dumps of megabytes holds this process's GIL, the server's too.
-    content = json.dumps({"model": MODEL, "max_tokens": 2, **body}).encode()
+# Sends a file as a POST body from another process, for the same reason, and prints the answer.
+POST_FILE = """
+import sys, httpx
+url, path = sys.argv[1], sys.argv[2]
+with open(path, "rb") as body:
+    response = httpx.post(url, content=body.read(), timeout=120, headers={"content-type": "application/json"})
+print(response.status_code)
+print(response.text)
+"""
+
+
+def send_beside_a_stream(server: Running, route: str, body: dict, tmp_path: Path) -> tuple[int, dict, Watch]:
+    body_file = tmp_path / "body.json"
+    body_file.write_text(json.dumps({"model": MODEL, "max_tokens": 2, **body}))
     with Watch(server) as watch:
-        response = httpx.post(f"{server.v1}/{route}", content=content, timeout=120,
-                              headers={"content-type": "application/json"})
+        sent = subprocess.run([sys.executable, "-c", POST_FILE, f"{server.v1}/{route}", str(body_file)],
+                              capture_output=True, text=True, timeout=120, check=True)
         end = time.monotonic()
         time.sleep(0.5)
         watch.after = watch.tokens_between(end, end + 0.5)
     assert watch.worst_health_s < HEALTH_WITHIN_S, f"/health took {watch.worst_health_s:.3f} s"
     assert watch.after >= 1, "the stream stopped"
-    return response, watch
+    status, text = sent.stdout.split("\n", 1)
+    return int(status), json.loads(text), watch
 
 
 @pytest.mark.slow
-def test_a_20_mb_body_is_refused_before_it_is_read(server: Running) -> None:
-    response, _ = send_beside_a_stream(server, "completions", {"prompt": "word " * (20 * 10**6 // 5)})
-    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+def test_a_20_mb_body_is_refused_before_it_is_read(server: Running, tmp_path: Path) -> None:
+    status, answer, _ = send_beside_a_stream(server, "completions", {"prompt": "word " * (20 * 10**6 // 5)}, tmp_path)
+    assert status == 413 and answer["error"]["code"] == "request_too_large"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("route", ["completions", "chat/completions"])
-def test_a_prompt_far_over_the_context_is_refused_without_tokenizing(server: Running, route: str) -> None:
+def test_a_prompt_far_over_the_context_is_refused_without_tokenizing(server: Running, route: str,
+                                                                     tmp_path: Path) -> None:
     """8 MB, under the body limit: refused by its length (tokenizing it would take ~40 s)."""
     text = "word " * (8 * 10**6 // 5)
     body = {"prompt": text} if route == "completions" else {"messages": [{"role": "user", "content": text}]}
-    response, _ = send_beside_a_stream(server, route, body)
-    assert response.status_code == 400
-    error = response.json()["error"]
+    status, answer, _ = send_beside_a_stream(server, route, body, tmp_path)
+    assert status == 400
+    error = answer["error"]
     assert error["code"] == "context_length_exceeded" and "8,000,000 characters" in error["message"]
 
 

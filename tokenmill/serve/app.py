@@ -3,6 +3,8 @@ share (state.py)."""
 
 from __future__ import annotations
 
+import gc
+
 import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -40,6 +42,10 @@ def create_app(state: ServeState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.start()
+        # Everything alive now (model, tokenizer, imports) lives as long as the server: out of the
+        # collector's sight, a full collection no longer walks it and stalls every client (as vLLM does).
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:
