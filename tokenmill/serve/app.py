@@ -4,7 +4,6 @@ share (state.py)."""
 from __future__ import annotations
 
 import gc
-
 import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
