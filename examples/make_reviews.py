@@ -1,11 +1,12 @@
 """Write examples/reviews.jsonl: 240 product reviews to label and summarise, in the OpenAI Batch
 API format, all sharing one instruction with three worked examples (so the prefix cache computes
-it once).
+it once), and examples/reviews.labels.jsonl: the true label of each, by custom_id (the fragments
+a review is made of decide it), for examples/score_labels.py.
 
 Reviews are put together from hand-written fragments, deterministically: re-running this script
-gives the same file, byte for byte.
+gives the same files, byte for byte.
 
-    python examples/make_reviews.py            # writes examples/reviews.jsonl
+    python examples/make_reviews.py            # writes examples/reviews.jsonl and reviews.labels.jsonl
 """
 
 from __future__ import annotations
@@ -148,10 +149,14 @@ def _lower_first(sentence: str) -> str:
     return sentence[0].lower() + sentence[1:]
 
 
+def custom_id(index: int) -> str:
+    return f"review-{index + 1:03d}"
+
+
 def batch_line(index: int) -> dict:
     _, text = review(index)
     return {
-        "custom_id": f"review-{index + 1:03d}",
+        "custom_id": custom_id(index),
         "method": "POST",
         "url": "/v1/chat/completions",
         "body": {
@@ -161,12 +166,21 @@ def batch_line(index: int) -> dict:
     }
 
 
+def label_line(index: int) -> dict:
+    sentiment, _ = review(index)
+    return {"custom_id": custom_id(index), "label": sentiment}
+
+
 def main(count: int = 240) -> None:
-    path = Path(__file__).with_name("reviews.jsonl")
-    with path.open("w") as f:
+    requests = Path(__file__).with_name("reviews.jsonl")
+    labels = Path(__file__).with_name("reviews.labels.jsonl")
+    with requests.open("w") as f:
         for i in range(count):
             f.write(json.dumps(batch_line(i), ensure_ascii=False) + "\n")
-    print(f"wrote {count} requests to {path}")
+    with labels.open("w") as f:
+        for i in range(count):
+            f.write(json.dumps(label_line(i)) + "\n")
+    print(f"wrote {count} requests to {requests} and their labels to {labels}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tokenmill.engine import DEFAULT_MAX_TOKENS, RequestOutput
+from tokenmill.engine import DEFAULT_MAX_TOKENS, RequestOutput, StructuredOutputsParams
 from tokenmill.engine.sequence import RequestTimings
 from tokenmill.openai_compat import (
     CHAT_URL,
@@ -17,6 +17,9 @@ from tokenmill.openai_compat import (
     engine_inputs,
     response_body,
     sampling_params,
+    structured_outputs,
+    structured_outputs_body,
+    structured_outputs_fields,
 )
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -93,3 +96,82 @@ def test_response_bodies_and_usage() -> None:
     text = response_body(COMPLETIONS_URL, output(finish_reason="length"), "m")
     assert text["id"].startswith("cmpl-") and text["object"] == "text_completion"
     assert text["choices"][0]["text"] == "Paris." and text["choices"][0]["finish_reason"] == "length"
+
+
+# ---- structured outputs --------------------------------------------------------------------------
+SCHEMA = {"type": "object", "properties": {"label": {"enum": ["good", "bad"]}}, "required": ["label"]}
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     StructuredOutputsParams(json=SCHEMA)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "strict": False}}},  # no name
+     StructuredOutputsParams(json=SCHEMA)),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, StructuredOutputsParams(choice=["a", "b"])),
+    ({"structured_outputs": {"json": SCHEMA}}, StructuredOutputsParams(json=SCHEMA)),
+    ({"structured_outputs": {"json_object": True, "regex": None}}, StructuredOutputsParams(json_object=True)),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, StructuredOutputsParams(regex="[0-9]+")),
+    ({"structured_outputs": {"grammar": 'start: "y" | "n"'}}, StructuredOutputsParams(grammar='start: "y" | "n"')),
+    ({"guided_choice": ["a", "b"]}, StructuredOutputsParams(choice=["a", "b"])),
+    ({"guided_json": SCHEMA}, StructuredOutputsParams(json=SCHEMA)),
+    ({"guided_json": '{"type": "integer"}'}, StructuredOutputsParams(json='{"type": "integer"}')),  # vLLM takes text
+    ({"guided_regex": "a|b"}, StructuredOutputsParams(regex="a|b")),
+    ({"guided_grammar": 'start: "x"'}, StructuredOutputsParams(grammar='start: "x"')),
+    ({"response_format": {"type": "text"}, "guided_choice": ["a"]}, StructuredOutputsParams(choice=["a"])),
+    ({"guided_choice": None, "response_format": None}, None),  # null is absent
+])
+def test_every_structured_output_form(fields: dict[str, Any], expected: StructuredOutputsParams | None) -> None:
+    body = {**CHAT, **fields}
+    assert structured_outputs(body) == expected
+    assert sampling_params(body).structured_outputs == expected
+    assert bool(structured_outputs_fields(body)) == (expected is not None)
+    check_request(CHAT_URL, body)
+
+
+@pytest.mark.parametrize(("fields", "param", "words"), [
+    ({"response_format": {"type": "xml"}}, "response_format",
+     'body.response_format must be an object with a "type" of text, json_object, json_schema, got {"type": "xml"}'),
+    ({"response_format": "json"}, "response_format", "body.response_format must be an object"),
+    ({"response_format": {"type": "json_schema"}}, "response_format",
+     'body.response_format.json_schema must be an object with a "schema", got null'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+     "body.response_format.json_schema.schema must be a JSON schema (an object), got null"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": "{}"}}}, "response_format",
+     'body.response_format.json_schema.schema must be a JSON schema (an object), got "{}"'),
+    ({"structured_outputs": ["a"]}, "structured_outputs", "body.structured_outputs must be an object with one of"),
+    ({"structured_outputs": {}}, "structured_outputs", "body.structured_outputs needs exactly one of"),
+    ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs",
+     "body.structured_outputs needs exactly one of json, json_object, choice, regex, grammar; got ['choice', 'regex']"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs",
+     "body.structured_outputs.choice must be a non-empty list of non-empty strings"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs",
+     "body.structured_outputs.structural_tag is not supported by the embedded engine"),
+    ({"guided_choice": []}, "guided_choice", "body.guided_choice must be a non-empty list of non-empty strings"),
+    ({"guided_choice": ["a", ""]}, "guided_choice", "body.guided_choice must be a non-empty list"),
+    ({"guided_choice": "a,b"}, "guided_choice", "body.guided_choice must be a non-empty list"),
+    ({"guided_json": [1]}, "guided_json", "body.guided_json must be a JSON schema (an object), got list"),
+    ({"guided_regex": ""}, "guided_regex", "body.guided_regex must be a non-empty string"),
+    ({"guided_grammar": 5}, "guided_grammar", "body.guided_grammar must be a non-empty string"),
+    ({"response_format": {"type": "json_object"}, "guided_json": SCHEMA}, "response_format",
+     "body.response_format and body.guided_json both ask for a structured output: give one"),
+    ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "structured_outputs",
+     "body.structured_outputs and body.guided_regex both ask"),
+])
+def test_structured_output_refusals_name_the_field(fields: dict[str, Any], param: str, words: str) -> None:
+    with pytest.raises(RequestError) as exc:
+        check_request(CHAT_URL, {**CHAT, **fields})
+    assert exc.value.param == param and words in str(exc.value)
+
+
+@pytest.mark.parametrize("setting", [
+    StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(json_object=True),
+    StructuredOutputsParams(choice=["a", "b"]), StructuredOutputsParams(regex="[a-z]+"),
+    StructuredOutputsParams(grammar='start: "x"'),
+])
+def test_a_setting_written_as_a_body_field_reads_back_the_same(setting: StructuredOutputsParams) -> None:
+    fields = structured_outputs_body(setting)
+    assert structured_outputs({**CHAT, **fields}) == setting
+    if setting.json is not None:  # what any OpenAI-compatible server knows, with the name OpenAI requires
+        assert fields["response_format"]["json_schema"]["name"]

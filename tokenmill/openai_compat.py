@@ -6,6 +6,11 @@ response body with its `usage`. Batch jobs, the server and its Batch API all go 
 so one body gets the same answer, and the same refusal naming the same field, on every path.
 
 To support a new body field: read it in `sampling_params` (or refuse it in `UNSUPPORTED_FIELDS`).
+
+A structured output (a JSON schema, JSON mode, a choice, a regex, a grammar) comes from one of
+`STRUCTURED_OUTPUTS_FIELDS`: OpenAI's `response_format` or one of vLLM's extensions, so that
+files written for vLLM run unchanged. Its shape is checked here; whether it compiles is the
+engine's to say, and `check_structured_outputs` names the field it came from.
 """
 
 from __future__ import annotations
@@ -15,11 +20,19 @@ import math
 import re
 import time
 import uuid
+from dataclasses import fields
 from typing import Any
 
 from jinja2 import TemplateError
 
-from tokenmill.engine import DEFAULT_MAX_TOKENS, LLM, Prompt, RequestOutput, SamplingParams
+from tokenmill.engine import (
+    DEFAULT_MAX_TOKENS,
+    LLM,
+    Prompt,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -28,7 +41,7 @@ SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL)
 # Body fields that change what the caller gets back; refusing beats silently ignoring them.
 # (The server takes `stream` off a live request before it gets here; a batch line cannot stream.)
 UNSUPPORTED_FIELDS = (
-    "tools", "tool_choice", "functions", "function_call", "response_format", "logprobs", "top_logprobs",
+    "tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs",
     "logit_bias", "echo", "suffix", "best_of", "stream", "presence_penalty", "frequency_penalty",
 )
 
@@ -143,6 +156,7 @@ def sampling_params(body: dict[str, Any]) -> SamplingParams:
     check_fields(body)
     stop = body.get("stop") or []
     top_k = body.get("top_k", 0)
+    structured = structured_outputs(body)
     try:
         return SamplingParams(
             max_tokens=requested_max_tokens(body),
@@ -154,11 +168,124 @@ def sampling_params(body: dict[str, Any]) -> SamplingParams:
             ignore_eos=body.get("ignore_eos", False),
             stop_token_ids=list(body.get("stop_token_ids") or []),
             stop=[stop] if isinstance(stop, str) else list(stop),
+            structured_outputs=structured,
         )
     except (TypeError, ValueError) as exc:
         message = str(exc).replace("SamplingParams.", "body.")
         field = re.search(r"body\.(\w+)", message)
         raise RequestError(message, field.group(1) if field else None) from None
+
+
+# ---- structured outputs -------------------------------------------------------------------------
+# The body fields that ask for a structured output: OpenAI's, then vLLM's (`structured_outputs`,
+# and the older `guided_*`). A body uses at most one of them.
+STRUCTURED_OUTPUTS_FIELDS = (
+    "response_format", "structured_outputs", "guided_json", "guided_choice", "guided_regex", "guided_grammar",
+)
+STRUCTURED_OUTPUTS_KINDS = tuple(f.name for f in fields(StructuredOutputsParams))  # json, json_object, choice, ...
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
+def structured_outputs_fields(body: dict[str, Any]) -> list[str]:
+    """The fields of `body` that ask for a structured output. `response_format: {"type": "text"}`
+    asks for none: it is OpenAI's default, said out loud."""
+    return [name for name in STRUCTURED_OUTPUTS_FIELDS if body.get(name) is not None
+            and not (name == "response_format" and isinstance(body[name], dict) and body[name].get("type") == "text")]
+
+
+def structured_outputs(body: dict[str, Any]) -> StructuredOutputsParams | None:
+    """The body's structured-output setting (None when it asks for none); RequestError names the
+    field, e.g. `body.response_format.json_schema.schema`, for a wrong shape or two fields set."""
+    names = structured_outputs_fields(body)
+    if not names:
+        return None
+    if len(names) > 1:
+        raise RequestError(f"body.{names[0]} and body.{names[1]} both ask for a structured output: give one",
+                           names[0])
+    name = names[0]
+    if name == "response_format":
+        settings = _response_format(body[name])
+    elif name == "structured_outputs":
+        settings = _vllm_structured_outputs(body[name])
+    else:
+        settings = {name.removeprefix("guided_"): body[name]}
+    try:
+        return StructuredOutputsParams(**settings)
+    except ValueError as exc:
+        raise _named(str(exc), name) from None
+
+
+def check_structured_outputs(body: dict[str, Any], llm: LLM) -> None:
+    """Compile the body's structured output for this model (the engine compiles each distinct one
+    once); RequestError naming the field when it does not compile: an invalid schema, a keyword
+    the compiler does not support, a regex or grammar with an error, a compile over the time limit."""
+    setting = structured_outputs(body)
+    if setting is None:
+        return
+    try:
+        llm.engine.check_structured_outputs(setting)
+    except ValueError as exc:
+        raise _named(str(exc), structured_outputs_fields(body)[0]) from None
+
+
+def structured_outputs_body(setting: StructuredOutputsParams) -> dict[str, Any]:
+    """The body field that asks for `setting`: OpenAI's `response_format` for a JSON schema or JSON
+    mode (any OpenAI-compatible server knows it), vLLM's `structured_outputs` for the rest."""
+    if setting.json is not None:
+        # `name` is required by OpenAI; `strict` asks OpenAI to enforce the schema, as we always do.
+        return {"response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "output", "schema": setting.json, "strict": True}}}
+    if setting.json_object:
+        return {"response_format": {"type": "json_object"}}
+    return {"structured_outputs": {setting.kind: getattr(setting, setting.kind)}}
+
+
+def _response_format(value: Any) -> dict[str, Any]:
+    """OpenAI's `response_format` (other than "text") → StructuredOutputsParams' arguments."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise RequestError(f'body.response_format must be an object with a "type" of '
+                           f"{', '.join(RESPONSE_FORMAT_TYPES)}, got {_show(value)}", "response_format")
+    # `name` is required by OpenAI but changes nothing here: a body without it is served. `strict`
+    # is accepted and ignored: the schema is always enforced.
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise RequestError(f'body.response_format.json_schema must be an object with a "schema", got {_show(spec)}',
+                           "response_format")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise RequestError(f"body.response_format.json_schema.schema must be a JSON schema (an object), "
+                           f"got {_show(schema)}", "response_format")
+    return {"json": schema}
+
+
+def _vllm_structured_outputs(value: Any) -> dict[str, Any]:
+    """vLLM's `structured_outputs` → StructuredOutputsParams' arguments. Its other options
+    (structural tags, whitespace patterns, ...) would change the output: refused, not ignored."""
+    if not isinstance(value, dict):
+        raise RequestError(f"body.structured_outputs must be an object with one of "
+                           f"{', '.join(STRUCTURED_OUTPUTS_KINDS)}, got {_show(value)}", "structured_outputs")
+    unknown = next((key for key in value if key not in STRUCTURED_OUTPUTS_KINDS), None)
+    if unknown is not None:
+        raise RequestError(f"body.structured_outputs.{unknown} is not supported by the embedded engine (it takes "
+                           f"one of {', '.join(STRUCTURED_OUTPUTS_KINDS)})", "structured_outputs")
+    return {key: setting for key, setting in value.items() if setting is not None}
+
+
+def _named(message: str, name: str) -> RequestError:
+    """A message about `structured_outputs[.<kind>]` (StructuredOutputsParams', the engine's) as
+    one about the body field the setting came from."""
+    match = re.match(r"structured_outputs(?:\.(\w+))?", message)
+    kind = match.group(1) if match else None
+    if name == "structured_outputs":
+        where = f"body.structured_outputs.{kind}" if kind else "body.structured_outputs"
+    elif name == "response_format" and kind == "json":
+        where = "body.response_format.json_schema.schema"
+    else:
+        where = f"body.{name}"
+    return RequestError(where + message[match.end():] if match else f"{where}: {message}", name)
 
 
 def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
@@ -195,6 +322,7 @@ def check_prompt_size(url: str, body: dict[str, Any], llm: LLM) -> None:
 def engine_inputs(url: str, body: dict[str, Any], llm: LLM) -> tuple[Prompt, SamplingParams]:
     """The prompt (a chat through the model's own chat template) and the sampling settings."""
     params = sampling_params(body)
+    check_structured_outputs(body, llm)
     if url != CHAT_URL:
         return body["prompt"], params
     try:

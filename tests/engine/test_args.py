@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tokenmill.cli import build_parser
-from tokenmill.engine import EngineConfig
-from tokenmill.engine.args import add_engine_arguments, engine_kwargs, flag
+from tokenmill.engine import EngineConfig, StructuredOutputsParams
+from tokenmill.engine.args import add_engine_arguments, engine_kwargs, flag, structured_outputs_from_args
 
 # The fields a command sets itself instead of taking a flag for them, and why. Nothing else may
 # be missing, and no command may change a default except as listed in DEFAULTS.
@@ -85,3 +86,23 @@ def test_a_bad_value_is_refused_by_name() -> None:
 def test_unknown_field_names_are_refused() -> None:
     with pytest.raises(ValueError, match="max_num_seq"):
         add_engine_arguments(argparse.ArgumentParser(), exclude=("max_num_seq",))
+
+
+def test_generate_reads_a_structured_output_from_its_flags(tmp_path: Path) -> None:
+    def setting(*words: str) -> StructuredOutputsParams | None:
+        return structured_outputs_from_args(commands()["generate"].parse_args(["a prompt", *words]))
+
+    (tmp_path / "schema.json").write_text('{"type": "object"}')
+    (tmp_path / "broken.json").write_text('{"type": ')
+    (tmp_path / "unknown.json").write_text('{"type": "string", "format": "credit-card"}')
+    assert setting() is None
+    assert setting("--json-schema", str(tmp_path / "schema.json")) == StructuredOutputsParams(json={"type": "object"})
+    assert setting("--choice", "yes, no") == StructuredOutputsParams(choice=["yes", "no"])
+    assert setting("--regex", "[0-9]+") == StructuredOutputsParams(regex="[0-9]+")
+    for words, message in ((["--choice", "yes,"], "--choice must be a non-empty list of non-empty strings"),
+                           (["--json-schema", str(tmp_path / "broken.json")], "broken.json: not JSON"),
+                           (["--json-schema", str(tmp_path / "none.json")], "none.json: cannot read it"),
+                           (["--regex", "(ab"], "--regex: .*unclosed group"),
+                           (["--json-schema", str(tmp_path / "unknown.json")], "--json-schema: Unknown format")):
+        with pytest.raises(ValueError, match=message):
+            setting(*words)

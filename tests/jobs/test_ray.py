@@ -97,7 +97,8 @@ class FaultyBackend(EmbeddedBackend):
 def job_input(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rows: list[Any] = [chat(f"r{i}", text) for i, text in enumerate(REVIEWS)]
     rows[2:2] = [chat("crash", "Loud, but it cleans well."), chat("boom", "Fine.")]
-    rows += [batch_line("plain", "The capital of France is", url="/v1/completions"),
+    rows += [batch_line("digits", "The year is", url="/v1/completions",
+                        guided_regex="[0-9]{30}"),  # constrained, and cut by max_tokens: counted
              chat("huge", "word " * 600),  # longer than the 384-token context: invalid_request
              '{"custom_id": "broken"']  # not JSON: invalid_input
     return write_jsonl(tmp_path_factory.mktemp("ray") / "in.jsonl", rows)
@@ -144,7 +145,7 @@ def test_ray_output_equals_the_single_machine_job(on_ray: Path, single: dict[str
     results = {r["custom_id"]: r for r in read_jsonl(on_ray / "results.jsonl")}
     assert sorted(results) == sorted(set(single) - {"boom"})  # boom: the simulated engine bug, below
     assert texts(results) == {k: v for k, v in texts(single).items() if k != "boom"}
-    assert results["plain"]["response"]["body"]["object"] == "text_completion"
+    assert results["digits"]["response"]["body"]["object"] == "text_completion"
     assert results["r3"]["response"]["body"]["model"] == single["r3"]["response"]["body"]["model"]
 
     summary = json.loads((on_ray / "summary.json").read_text())
@@ -182,7 +183,8 @@ def test_resume_on_ray_skips_the_rows_already_written(on_ray: Path, single: dict
     assert "r2" in {r["custom_id"] for r in results[2:]}  # ... and its request ran again
     summary = json.loads((on_ray / "summary.json").read_text())
     assert summary["requests"] == {"total": 10, "done": 7, "failed": 3, "not_done": 0, "invalid_lines": 1,
-                                   "retryable": 1, "done_this_run": 5, "failed_this_run": 2}
+                                   "retryable": 1, "done_this_run": 5, "failed_this_run": 2,
+                                   "structured": 1, "structured_cut": 1}  # "digits", answered on a replica
 
 
 class Gauge:

@@ -48,7 +48,8 @@ def test_bad_lines_are_recorded_and_the_good_ones_run(tmp_path: Path, echo: Echo
                       (2, "http_400"), (4, "server_error")}
     summary = json.loads((out / "summary.json").read_text())
     assert summary["requests"] == {"total": 7, "done": 2, "failed": 5, "not_done": 0, "invalid_lines": 3,
-                                   "retryable": 1, "done_this_run": 2, "failed_this_run": 2}
+                                   "retryable": 1, "done_this_run": 2, "failed_this_run": 2,
+                                   "structured": 0, "structured_cut": 0}
     assert summary["tokens"] == {"prompt": 20, "cached": 6, "completion": 8}
     job = json.loads((out / "job.json").read_text())
     assert job["settings"]["max_tokens"] == 4 and len(job["input_sha256"]) == 64

@@ -16,6 +16,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from schemathesis.cli import schemathesis as schemathesis_cli
 
 from tests.serve.conftest import MODEL, Running
+from tokenmill.openai_compat import RESPONSE_FORMAT_TYPES, STRUCTURED_OUTPUTS_FIELDS, STRUCTURED_OUTPUTS_KINDS
 
 ERROR_SCHEMA = {"$ref": "#/components/schemas/ErrorBody"}
 
@@ -45,6 +46,16 @@ def test_the_description_declares_the_errors_the_server_answers(server: Running)
     assert paths["/v1/files/{file_id}/content"]["get"]["responses"]["200"]["content"].keys() == {
         "application/octet-stream"}
     assert {"get", "post"} <= paths["/v1/files"].keys() and "delete" in paths["/v1/files/{file_id}"]
+
+
+def test_the_structured_output_fields_are_declared_as_openai_compat_reads_them(server: Running) -> None:
+    schemas = httpx.get(f"{server.url}/openapi.json").json()["components"]["schemas"]
+    for body in ("ChatBody", "CompletionBody"):
+        assert set(STRUCTURED_OUTPUTS_FIELDS) <= schemas[body]["properties"].keys(), body
+    assert tuple(schemas["ResponseFormat"]["properties"]["type"]["enum"]) == RESPONSE_FORMAT_TYPES
+    assert tuple(schemas["StructuredOutputs"]["properties"]) == STRUCTURED_OUTPUTS_KINDS
+    assert schemas["StructuredOutputs"]["additionalProperties"] is False  # vLLM's other options are refused
+    assert schemas["JSONSchemaFormat"]["required"] == ["schema"]  # `name` may be left out
 
 
 @pytest.mark.parametrize(("method", "path", "allow"), [

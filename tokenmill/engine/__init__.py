@@ -8,7 +8,7 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm import LLM
 from tokenmill.engine.llm_engine import EngineRequest, LLMEngine, Prompt
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
+from tokenmill.engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutputsParams
 from tokenmill.engine.scheduler import SchedulerMetrics, SchedulerStats
 
 __all__ = [
@@ -22,4 +22,5 @@ __all__ = [
     "SamplingParams",
     "SchedulerMetrics",
     "SchedulerStats",
+    "StructuredOutputsParams",
 ]

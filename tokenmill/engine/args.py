@@ -8,13 +8,17 @@ once (tests/engine/test_args.py holds every command to that).
 from __future__ import annotations
 
 import argparse
+import json
 import types
 import typing
 from collections.abc import Iterable
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.sampling_params import StructuredOutputsParams
+from tokenmill.engine.structured_outputs import check_grammar
 
 _FIELDS_KEY = "engine_fields"  # where the namespace records which of its names are engine settings
 
@@ -69,3 +73,41 @@ def _scalar_type(hint: Any) -> type:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         (hint,) = [t for t in typing.get_args(hint) if t is not type(None)]
     return typing.cast(type, hint)
+
+
+# ---- structured outputs (`tokenmill generate` and `tokenmill run`) ------------------------------------
+STRUCTURED_OUTPUT_FLAGS = {"json": "--json-schema", "choice": "--choice", "regex": "--regex"}
+
+
+def add_structured_output_arguments(parser: argparse.ArgumentParser, title: str = "structured outputs") -> None:
+    group = parser.add_argument_group(title).add_mutually_exclusive_group()
+    group.add_argument("--json-schema", type=Path, metavar="FILE", help="answers are JSON following this JSON schema")
+    group.add_argument("--choice", metavar="A,B,C", help="each answer is exactly one of these labels")
+    group.add_argument("--regex", help="each answer matches this regular expression in full (Rust regex syntax)")
+
+
+def structured_outputs_from_args(args: argparse.Namespace) -> StructuredOutputsParams | None:
+    """The setting the flags ask for, checked to compile; ValueError naming the flag otherwise (a
+    file that is missing or not JSON, an empty label, a schema or regex that does not compile)."""
+    if args.json_schema is not None:
+        try:
+            setting = {"json": json.loads(args.json_schema.read_text())}
+        except OSError as exc:
+            raise ValueError(f"--json-schema {args.json_schema}: cannot read it ({exc.strerror})") from None
+        except ValueError as exc:
+            raise ValueError(f"--json-schema {args.json_schema}: not JSON ({exc})") from None
+    elif args.choice is not None:
+        setting = {"choice": [label.strip() for label in args.choice.split(",")]}
+    elif args.regex is not None:
+        setting = {"regex": args.regex}
+    else:
+        return None
+    try:
+        so = StructuredOutputsParams(**setting)
+        check_grammar(so)
+    except ValueError as exc:
+        message = str(exc)
+        for kind, name in STRUCTURED_OUTPUT_FLAGS.items():
+            message = message.replace(f"structured_outputs.{kind}", name)
+        raise ValueError(message) from None
+    return so

@@ -7,7 +7,12 @@ import time
 from pathlib import Path
 
 from tokenmill.cost import millions_per_usd, usd_per_million
-from tokenmill.engine.args import add_engine_arguments, engine_kwargs
+from tokenmill.engine.args import (
+    add_engine_arguments,
+    add_structured_output_arguments,
+    engine_kwargs,
+    structured_outputs_from_args,
+)
 from tokenmill.engine.llm import LLM
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
@@ -23,6 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, help="sampling seed, the same for every prompt")
     p.add_argument("--price-per-hour", type=float, help="hardware $/hour, to print the cost per token")
+    add_structured_output_arguments(p)
     # The engine's own seed is left out: --seed above already seeds every prompt of this command.
     add_engine_arguments(p, exclude=("seed",))
 
@@ -33,9 +39,11 @@ def run(args: argparse.Namespace) -> int:
         prompts += [line.strip() for line in args.file.read_text().splitlines() if line.strip()]
     if not prompts:
         raise ValueError("no prompts: pass them as arguments or with --file")
+    structured_outputs = structured_outputs_from_args(args)
     llm = LLM(**engine_kwargs(args))
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        structured_outputs=structured_outputs,
     )
     start = time.monotonic()
     if args.chat:

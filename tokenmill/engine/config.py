@@ -50,6 +50,8 @@ class EngineConfig:
     max_preemptions: int = _setting(3, "after this many, a request is preempted only as a last resort")
     kv_watermark: float = _setting(0.01, "admissions keep this fraction of KV blocks free for running requests")
     seed: int = _setting(0, "seeds the requests that do not bring their own seed")
+    grammar_compile_timeout_s: float = _setting(
+        10.0, "structured outputs: a schema, regex or grammar that takes longer to compile fails its request")
     num_threads: int | None = _setting(None, "torch CPU threads (default: torch's)")
     pack_weights: bool = _setting(True, "CPU: pre-pack linear weights for oneDNN (much faster small GEMMs)")
     decode_attention: str = _setting(
@@ -68,6 +70,9 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {value}")
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"EngineConfig.kv_watermark must be in [0, 1), got {self.kv_watermark}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(
+                f"EngineConfig.grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if self.length_aging_s < 0 or self.max_preemptions < 0:
             raise ValueError("EngineConfig.length_aging_s and max_preemptions must be >= 0")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:

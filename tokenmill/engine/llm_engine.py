@@ -18,9 +18,10 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerMetrics, SchedulerStats
 from tokenmill.engine.sequence import RequestTimings, Sequence
+from tokenmill.engine.structured_outputs import GrammarCompiler
 from tokenmill.models import kernels
 from tokenmill.models.build import build_model, free_memory, weight_bytes
 from tokenmill.models.config import ModelConfig
@@ -43,6 +44,7 @@ class EngineRequest:
     priority: int
     seed: int
     arrival: float  # time.monotonic() when processed: a wait before `add_processed` counts
+    matcher: Any = None  # a fresh llguidance.LLMatcher for params.structured_outputs
 
 
 class LLMEngine:
@@ -66,6 +68,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.eos_token_ids = self._eos_token_ids()
         self.max_prompt_chars = self._max_prompt_chars()
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                        config.grammar_compile_timeout_s)
         self.runner = ModelRunner(
             model, num_blocks, config.block_size, self.eos_token_ids, self.device,
             paged_kernel=self._kernel_wanted("decode_attention", fallback="sdpa"),
@@ -156,6 +160,12 @@ class LLMEngine:
                 "without tokenizing it"
             )
 
+    def check_structured_outputs(self, structured_outputs: StructuredOutputsParams) -> None:
+        """Compile the setting (once per distinct setting; `process_request` reuses it). Raises
+        ValueError("structured_outputs.<kind>: why") for a schema, regex or grammar that does not
+        compile, or not within `grammar_compile_timeout_s`."""
+        self.grammars.matcher(structured_outputs)
+
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
@@ -195,10 +205,12 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
         self._check_prompt(ids, params)
+        so = params.structured_outputs
+        matcher = None if so is None else self.grammars.matcher(so)
         seed = params.seed
         if seed is None:
             seed = int(torch.randint(2**62, (1,), generator=self._seeds))
-        return EngineRequest(request_id, text, ids, params, priority, seed, time.monotonic())
+        return EngineRequest(request_id, text, ids, params, priority, seed, time.monotonic(), matcher)
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -240,7 +252,7 @@ class LLMEngine:
         seq = Sequence(
             request.request_id, request.prompt_token_ids, request.params, prompt=request.prompt,
             priority=request.priority, generator=torch.Generator().manual_seed(request.seed),
-            timings=RequestTimings(request.arrival),
+            timings=RequestTimings(request.arrival), matcher=request.matcher,
         )
         self._requests[seq.request_id] = (seq, IncrementalDetokenizer(self.tokenizer))
         self.scheduler.add(seq)
@@ -317,6 +329,12 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence, token: int, old_text_len: int) -> str | None:
         p = seq.params
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(token):  # the mask allowed it: this would be a bug
+                seq.error = f"structured_outputs: the grammar refused token {token}: {seq.matcher.get_error()}"
+                return "error"
+            if seq.matcher.is_stopped():  # complete: nothing but the end may follow
+                return "stop"
         if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return "stop"
@@ -355,5 +373,6 @@ class LLMEngine:
             num_preemptions=seq.num_preemptions,
             timings=seq.timings,
             finished=seq.is_finished,
+            error=seq.error,
         )
 

@@ -1,10 +1,12 @@
-"""Next-token choice: greedy, temperature, top-k, top-p, with per-request generators."""
+"""Next-token choice: greedy, temperature, top-k, top-p, with per-request generators, among the
+tokens a structured-output request's grammar allows."""
 
 from __future__ import annotations
 
 import torch
 
 from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.structured_outputs import allowed_tokens_bitmask, apply_bitmask
 
 
 class Sampler:
@@ -14,6 +16,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits: [S, V] fp32, one row per sequence, in order."""
         self._suppress_stops_before_min_tokens(logits, seqs)
+        self._apply_grammars(logits, seqs)
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled_rows:
@@ -23,9 +26,16 @@ class Sampler:
                 tokens[row] = _draw(p, seqs[row].generator)
         return tokens.tolist()
 
+    @staticmethod
+    def _apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        matchers = [(seq.matcher, row) for row, seq in enumerate(seqs) if seq.matcher is not None]
+        if matchers:
+            apply_bitmask(logits, allowed_tokens_bitmask(matchers, len(seqs), logits.shape[1]))
+
     def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         for row, seq in enumerate(seqs):
-            if seq.num_output_tokens < seq.params.min_tokens:
+            # A grammar alone decides where its output may end.
+            if seq.num_output_tokens < seq.params.min_tokens and seq.matcher is None:
                 banned = list(seq.params.stop_token_ids)
                 if not seq.params.ignore_eos:
                     banned += self.eos_token_ids

@@ -2,12 +2,63 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json as jsonlib
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 # The one default for how many tokens a request may generate, wherever it does not say: the
 # offline API, `tokenmill generate`, batch-job rows and server requests without max_tokens.
 # Batch answers (labels, extractions, summaries) fit; a longer answer asks for more.
 DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A grammar every generated token must keep valid (vLLM's name and fields): set exactly one.
+
+    `json`: a JSON schema (dict or its text); `json_object`: any JSON object; `choice`: one of
+    these strings; `regex`: a full match of this regular expression (Rust `regex` syntax);
+    `grammar`: a Lark or GBNF grammar. The request finishes with "stop" as soon as the grammar
+    is complete, and with "length" if max_tokens cuts it first (the text is then incomplete)."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    choice: list[str] | None = None
+    regex: str | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        chosen = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(chosen) != 1:
+            names = ", ".join(f.name for f in fields(self))
+            raise ValueError(f"structured_outputs needs exactly one of {names}; got {chosen or 'none'}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be true or false, got {self.json_object!r}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(
+                f"structured_outputs.json must be a JSON schema (an object), got {type(self.json).__name__}")
+        if self.choice is not None and not (
+            isinstance(self.choice, list) and self.choice and all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(
+                f"structured_outputs.choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+
+    @property
+    def kind(self) -> str:
+        """The one field that is set: "json", "json_object", "choice", "regex" or "grammar"."""
+        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """(kind, text): equal settings share one compiled grammar. Keys keep their order: a schema's
+        properties are generated in the order it lists them, so two orders are two grammars."""
+        value = getattr(self, self.kind)
+        if isinstance(value, (dict, list)):
+            return self.kind, jsonlib.dumps(value)
+        return self.kind, str(value)
 
 
 @dataclass
@@ -21,6 +72,9 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # stop strings, not included in the text
+    # A grammar the output must follow; it alone decides where the output may end (min_tokens
+    # does not apply to it).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -40,6 +94,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("SamplingParams.stop must not contain empty strings")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("SamplingParams.structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

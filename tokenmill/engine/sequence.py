@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -51,11 +52,13 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     num_registered_blocks: int = 0  # leading blocks already entered into the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     output_text: str = ""
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    matcher: Any = None  # llguidance.LLMatcher of a structured-output request: the tokens it allows next
+    error: str | None = None  # why it finished with "error"
     timings: RequestTimings = field(default_factory=lambda: RequestTimings(time.monotonic()))
 
     def __post_init__(self) -> None:

@@ -62,11 +62,12 @@ class ResultSink:
     def __init__(self, results: RowWriter, errors: RowWriter, progress: JobProgress | None) -> None:
         self._results, self._errors, self.progress = results, errors, progress
         self.done = self.failed = self.transient = 0
+        self.structured_cut = 0  # results asking for a structured output that max_tokens ended: not valid
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
 
     def result(self, request: BatchRequest, body: dict[str, Any], request_id: str | None = None) -> None:
         self._results.write(output.result_row(request.custom_id, body, request_id))
-        self._count_result(body)
+        self._count_result(body, request.structured)
 
     def error(
         self, request: BatchRequest, code: str, message: str, response: dict[str, Any] | None = None
@@ -74,18 +75,20 @@ class ResultSink:
         self._errors.write(output.error_row(request.custom_id, request.line, code, message, response))
         self._count_error(code)
 
-    def row(self, row: dict[str, Any]) -> None:
-        """A row already made by `result` / `error` elsewhere (on a Ray replica)."""
+    def row(self, row: dict[str, Any], structured: bool = False) -> None:
+        """A row already made by `result` / `error` elsewhere (on a Ray replica); `structured`: its
+        request's `BatchRequest.structured`."""
         if row.get("error") is None:
             self._results.write(row)
-            self._count_result(row["response"]["body"])
+            self._count_result(row["response"]["body"], structured)
         else:
             self._errors.write(row)
             self._count_error(row["error"]["code"])
 
-    def _count_result(self, body: dict[str, Any]) -> None:
+    def _count_result(self, body: dict[str, Any], structured: bool) -> None:
         prompt, cached, completion = output.usage_of(body)
         self.done += 1
+        self.structured_cut += structured and output.finish_reason_of(body) == "length"
         self.prompt_tokens += prompt
         self.cached_tokens += cached
         self.completion_tokens += completion

@@ -8,13 +8,19 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.engine import DEFAULT_MAX_TOKENS
-from tokenmill.engine.args import add_engine_arguments, engine_kwargs
+from tokenmill.engine.args import (
+    add_engine_arguments,
+    add_structured_output_arguments,
+    engine_kwargs,
+    structured_outputs_from_args,
+)
 from tokenmill.environment import CLIENT_API_KEY_ENV, client_api_key
 from tokenmill.jobs.backend import Backend
 from tokenmill.jobs.config import ORDERS, JobConfig
 from tokenmill.jobs.output import JobError, JobFailed
 from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.spec import FORMATS, DocumentOptions
+from tokenmill.openai_compat import structured_outputs_body
 
 EXIT_JOB_FAILED = 3  # started, then could not go on (Ray stalled, endpoint down past --retry-for); re-run resumes
 
@@ -34,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     docs.add_argument("--temperature", type=float, help="for bodies without temperature (default 1.0)")
     docs.add_argument("--completions", action="store_true",
                       help="send documents to /v1/completions as plain prompts instead of chat")
+    add_structured_output_arguments(
+        parser, "structured outputs, for every row that asks for none of its own (docs/jobs.md)")
     ep = parser.add_argument_group("endpoint backend")
     ep.add_argument("--endpoint", action="append",
                     help="base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1 "
@@ -78,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         options = DocumentOptions(
             system=args.system, template=args.template, max_tokens=args.max_tokens,
             temperature=args.temperature, model=args.model if args.endpoint else None,
-            completions=args.completions,
+            completions=args.completions, structured_outputs=_structured_outputs(args),
         )
         config = JobConfig(
             input=args.input, output=args.output, options=options, errors=args.errors,
@@ -95,6 +103,16 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # before the work started (validation); nothing to resume yet
         print("tokenmill run: interrupted before any request ran", file=sys.stderr)
         return 130
+
+
+def _structured_outputs(args: argparse.Namespace) -> dict[str, Any] | None:
+    """--json-schema / --choice / --regex as the body field asking for it; JobError, before any
+    work, for a value that cannot be one."""
+    try:
+        setting = structured_outputs_from_args(args)
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
+    return None if setting is None else structured_outputs_body(setting)
 
 
 def _backend(args: argparse.Namespace) -> Backend:

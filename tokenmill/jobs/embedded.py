@@ -16,7 +16,13 @@ from tokenmill.environment import model_name
 from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
 from tokenmill.jobs.spec import BatchRequest
 from tokenmill.models.loader import LoadedWeights
-from tokenmill.openai_compat import check_prompt_size, check_request, engine_inputs, response_body
+from tokenmill.openai_compat import (
+    check_prompt_size,
+    check_request,
+    check_structured_outputs,
+    engine_inputs,
+    response_body,
+)
 
 
 class EmbeddedBackend:
@@ -31,8 +37,9 @@ class EmbeddedBackend:
         `weights` when they are already loaded (they travel with the backend to Ray replicas).
 
         `load_to_check`: `check` loads the engine, so that validation refuses a prompt too long
-        for its context (by a length bound, without tokenizing) before any work. Off on a Ray
-        driver (`check_without_loading`): there a replica's engine refuses it as cheaply."""
+        for its context (by a length bound, without tokenizing), or a structured output that does
+        not compile, before any work. Off on a Ray driver (`check_without_loading`): there a
+        replica's engine refuses it as cheaply."""
         self._llm, self._weights, self._load_to_check = llm, weights, load_to_check
         self._load_s = 0.0
         self._engine_config = {"model": model, **engine_config}
@@ -47,6 +54,7 @@ class EmbeddedBackend:
             self.start()
             assert self._llm is not None
             check_prompt_size(request.url, request.body, self._llm)
+            check_structured_outputs(request.body, self._llm)  # compiled once per distinct setting
 
     def check_without_loading(self) -> None:
         self._load_to_check = False

@@ -102,6 +102,13 @@ def is_final(row: dict[str, Any]) -> bool:
     return (row.get("error") or {}).get("code") not in TRANSIENT_CODES
 
 
+def finish_reason_of(body: dict[str, Any] | None) -> str | None:
+    """The first choice's finish_reason in an OpenAI response body; None where missing."""
+    choices = (body or {}).get("choices")
+    first = choices[0] if isinstance(choices, list) and choices else None
+    return first.get("finish_reason") if isinstance(first, dict) else None
+
+
 def usage_of(body: dict[str, Any] | None) -> tuple[int, int, int]:
     """(prompt, cached, completion) tokens from an OpenAI response body; zeros where missing."""
     usage = (body or {}).get("usage") or {}
@@ -175,6 +182,7 @@ class OutputState:
     """What earlier runs of this job left in the output files."""
 
     done: set[str] = field(default_factory=set)  # custom_ids with a result
+    ended_by_length: set[str] = field(default_factory=set)  # custom_ids with a result max_tokens ended
     failed: set[str] = field(default_factory=set)  # custom_ids with a final error
     invalid_lines: set[int] = field(default_factory=set)  # bad input lines already recorded
     repaired_bytes: int = 0  # torn tail cut off the files
@@ -187,6 +195,8 @@ def scan_outputs(paths: OutputPaths) -> OutputState:
     results, cut = repair_jsonl(paths.results)
     state.repaired_bytes += cut
     state.done = {r["custom_id"] for r in results if isinstance(r.get("custom_id"), str)}
+    state.ended_by_length = {r["custom_id"] for r in results if isinstance(r.get("custom_id"), str)
+                             and finish_reason_of((r.get("response") or {}).get("body")) == "length"}
     errors, cut = repair_jsonl(paths.errors)
     state.repaired_bytes += cut
     final = [r for r in errors if is_final(r)]

@@ -93,7 +93,12 @@ class RayBackend:
         import ray
         from ray.data.exceptions import ExecutionTimeoutError
 
-        items = [to_item(r) for r in requests]
+        items: list[dict[str, Any]] = []
+        structured: set[str] = set()  # custom_ids asking for a structured output, for the summary
+        for request in requests:
+            items.append(to_item(request))
+            if request.structured:
+                structured.add(request.custom_id)
         totals = BackendStats(replicas=self.options.replicas)
         if not items:
             return totals
@@ -106,7 +111,7 @@ class RayBackend:
                         totals.add(BackendStats(**json.loads(stats)))
                     if custom_id not in written:  # a block re-run after an actor died sends rows again
                         written.add(custom_id)
-                        sink.row(json.loads(row))
+                        sink.row(json.loads(row), custom_id in structured)
         except ExecutionTimeoutError as exc:
             raise JobFailed(f"the Ray job made no progress for {self.options.no_progress_timeout_s:g} s "
                             f"({_first_line(exc)}); {len(written)} row(s) written this run are kept. Check "

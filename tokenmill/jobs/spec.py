@@ -7,7 +7,7 @@ Three input forms, all turned into OpenAI batch requests (`custom_id`, `url`, `b
 - plain text: one document a line.
 
 `DocumentOptions` say how a document (a text line or a `prompt`) becomes a request, and fill
-`max_tokens` / `temperature` / `model` into every body that lacks them.
+`max_tokens` / `temperature` / `model` / a structured output into every body that lacks them.
 
 The validation pass keeps only a small `Entry` per good line (its byte offset, id and a size
 estimate), not the request itself, so a million-line file does not sit in memory; the work
@@ -30,6 +30,7 @@ from tokenmill.openai_compat import (
     RequestError,
     check_fields,
     requested_max_tokens,
+    structured_outputs_fields,
 )
 
 FORMATS = ("auto", "batch", "jsonl", "text")
@@ -50,6 +51,9 @@ class DocumentOptions:
     temperature: float | None = None
     model: str | None = None  # sets body["model"] (what an endpoint serves the request with)
     completions: bool = False  # documents as /v1/completions prompts instead of chat
+    # The body field(s) asking for a structured output (openai_compat.structured_outputs_body), for
+    # every body that asks for none of its own.
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.template is not None and "{text}" not in self.template:
@@ -61,10 +65,13 @@ class DocumentOptions:
 
     def fingerprint(self) -> dict[str, Any]:
         """The options that change what a request asks for (hence its result)."""
-        return {
+        settings = {
             "system": self.system, "template": self.template, "max_tokens": self.max_tokens,
             "temperature": self.temperature, "body_model": self.model, "completions": self.completions,
         }
+        if self.structured_outputs is not None:  # only when set: jobs from before the option still resume
+            settings["structured_outputs"] = self.structured_outputs
+        return settings
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,11 @@ class BatchRequest:
     @property
     def max_tokens(self) -> int:
         return requested_max_tokens(self.body)
+
+    @property
+    def structured(self) -> bool:
+        """Asks for a structured output (its answer is cut short, not valid, if it ends by max_tokens)."""
+        return bool(structured_outputs_fields(self.body))
 
 
 @dataclass(frozen=True)
@@ -98,6 +110,7 @@ class Entry:
     offset: int  # byte offset of the line in the file
     custom_id: str
     cost: int  # rough size in tokens (prompt bytes / 4 + max_tokens), for length buckets
+    structured: bool = False  # BatchRequest.structured
 
 
 @dataclass
@@ -156,7 +169,7 @@ def read_input(
                 result.errors.append(InputError(number, request.custom_id, str(exc)))
                 continue
             cost = len(raw) // 4 + request.max_tokens
-            result.entries.append(Entry(number, line_offset, request.custom_id, cost))
+            result.entries.append(Entry(number, line_offset, request.custom_id, cost, request.structured))
     result.sha256 = digest.hexdigest()
     return result
 
@@ -302,6 +315,8 @@ def _fill_defaults(body: dict[str, Any], options: DocumentOptions) -> dict[str, 
         body["max_tokens"] = options.max_tokens
     if options.temperature is not None and "temperature" not in body:
         body["temperature"] = options.temperature
+    if options.structured_outputs is not None and not structured_outputs_fields(body):
+        body.update(options.structured_outputs)  # replaces a `response_format` of "text", which asks for none
     return body
 
 

@@ -58,10 +58,16 @@ def build_summary(
     valid = {e.custom_id for e in spec.entries}
     done = len(state.done & valid) + sink.done
     failed = len(spec.errors) + len(state.failed & valid) + sink.failed
+    structured = [e.custom_id for e in spec.entries if e.structured]
     requests = {
         "total": spec.num_lines, "done": done, "failed": failed, "not_done": spec.num_lines - done - failed,
         "invalid_lines": len(spec.errors), "retryable": sink.transient,
         "done_this_run": sink.done, "failed_this_run": sink.failed,
+        # Asking for a structured output, and of those, answered but ended by max_tokens (finish_reason
+        # "length"): an answer cut short does not follow its schema or grammar.
+        "structured": len(structured),
+        "structured_cut": sum(1 for custom_id in structured if custom_id in state.ended_by_length)
+        + sink.structured_cut,
     }
     tokens = {"prompt": sink.prompt_tokens, "cached": sink.cached_tokens, "completion": sink.completion_tokens}
     engine = {
@@ -123,6 +129,9 @@ def print_summary(summary: Summary, console: Console) -> None:
     this_run = f" (this run: {req['done_this_run']} done, {req['failed_this_run']} failed)"
     table.add_row("requests", f"{req['done']} done · {req['failed']} failed · {req['not_done']} not done "
                   f"of {req['total']}" + (this_run if req["done_this_run"] != req["done"] else ""))
+    if req["structured"]:
+        table.add_row("structured", f"{req['structured']} request(s) · {req['structured_cut']} cut by max_tokens "
+                      '(finish_reason "length": incomplete)')
     table.add_row("tokens", f"prompt {tok['prompt']:,} (cached {tok['cached']:,}) · completion {tok['completion']:,}")
     table.add_row("time", f"wall {summary.time['wall_s']:.1f} s · model load {summary.time['load_s']:.1f} s")
     if eng["prefill_tokens"] is not None:

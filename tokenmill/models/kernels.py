@@ -32,6 +32,7 @@ _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "paged_decode_attention": [_P] * 6 + [_I] * 6 + [_F, _I64, _I],
     "small_gemm": [_P] * 4 + [_I] * 4,
+    "apply_token_bitmask": [_P, _P, _I, _I, _I],
 }
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None

@@ -18,7 +18,13 @@ from typing import Any
 from tokenmill.engine import LLM, EngineRequest, RequestOutput
 from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
 from tokenmill.jobs.spec import BatchRequest
-from tokenmill.openai_compat import RequestError, check_request, engine_inputs, response_body
+from tokenmill.openai_compat import (
+    RequestError,
+    check_request,
+    check_structured_outputs,
+    engine_inputs,
+    response_body,
+)
 from tokenmill.serve.engine_loop import EngineLoop
 
 LIVE_PRIORITY, BATCH_PRIORITY = 0, 1  # under the "priority" policy live traffic goes first
@@ -51,6 +57,7 @@ class ServingBackend:
             raise RequestError(f"body.model {model!r} is not served here (this server serves {self.model!r})",
                                "model")
         check_request(request.url, request.body)
+        check_structured_outputs(request.body, self.llm)  # a Batch API line's bad schema: refused up front
 
     # ---- one request ----------------------------------------------------------------------------
     def prepare(self, request: BatchRequest, priority: int = LIVE_PRIORITY) -> Prepared:

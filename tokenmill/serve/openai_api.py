@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncGenerator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -38,6 +38,33 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    """`response_format.json_schema`: OpenAI requires `name`, which changes nothing here, so it may
+    be left out; `strict` is accepted and ignored: the schema is always enforced."""
+
+    name: str | None = Field(None, strict=True)
+    description: str | None = Field(None, strict=True)
+    schema_: dict[str, Any] = Field(alias="schema")  # `schema` would shadow a BaseModel method
+    strict: bool | None = Field(None, strict=True)
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]  # openai_compat.RESPONSE_FORMAT_TYPES
+    json_schema: JSONSchemaFormat | None = None  # with "json_schema"
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one of these. Its other options would change the answer, so
+    they are refused rather than ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # a JSON schema (or its text)
+    json_object: bool | None = Field(None, strict=True)
+    choice: list[str] | None = Field(None, strict=True, min_length=1)
+    regex: str | None = Field(None, strict=True, min_length=1)
+    grammar: str | None = Field(None, strict=True, min_length=1)  # Lark or GBNF
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")  # other fields reach the backend's checks, which refuse
     # what would change the answer (tools, logprobs, ...) and ignore the rest (user, metadata, ...)
@@ -54,6 +81,14 @@ class _Body(BaseModel):
     n: int = Field(1, strict=True)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # A structured output (openai_compat.STRUCTURED_OUTPUTS_FIELDS), at most one of: OpenAI's field,
+    # then vLLM's, so that clients written for vLLM work unchanged.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_choice: list[str] | None = Field(None, strict=True, min_length=1)
+    guided_regex: str | None = Field(None, strict=True, min_length=1)
+    guided_grammar: str | None = Field(None, strict=True, min_length=1)
 
 
 class CompletionBody(_Body):
@@ -79,14 +114,14 @@ def router(state: ServeState) -> APIRouter:
 
     @api.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request) -> Any:
-        data = body.model_dump(exclude_none=True, exclude=IGNORED_FIELDS)
+        data = body.model_dump(exclude_none=True, by_alias=True, exclude=IGNORED_FIELDS)
         data["prompt"] = _one_prompt(body.prompt)
         return await _serve(state, request, body, BatchRequest(0, new_response_id(COMPLETIONS_URL),
                                                                 COMPLETIONS_URL, data))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request) -> Any:
-        data = body.model_dump(exclude_none=True, exclude=IGNORED_FIELDS)
+        data = body.model_dump(exclude_none=True, by_alias=True, exclude=IGNORED_FIELDS)
         return await _serve(state, request, body, BatchRequest(0, new_response_id(CHAT_URL), CHAT_URL, data))
 
     return api
