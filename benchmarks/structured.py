@@ -323,7 +323,7 @@ def apply_methods() -> dict[str, Callable[[torch.Tensor, np.ndarray], None]]:
                 so_module.apply_bitmask(logits[r : r + 1], bitmask[r : r + 1])
 
         # One row per call never reaches the kernel's OpenMP threshold: shows what its threads cost.
-        methods["C kernel, one row per call (no OpenMP)"] = row_by_row
+        methods["C kernel, one row per call"] = row_by_row
     methods["numpy unpackbits + torch masked_fill"] = so_module.apply_bitmask_unpacked
     methods["llguidance.numpy"] = lambda x, m: llguidance.numpy.apply_token_bitmask_inplace(x.numpy(), m)
     methods["llguidance.torch (torch.compile)"] = (
