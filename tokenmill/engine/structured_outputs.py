@@ -17,7 +17,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
@@ -27,9 +27,12 @@ import torch
 from tokenmill.engine.sampling_params import StructuredOutputsParams
 from tokenmill.models import kernels
 
-# JSON without optional whitespace: a small model otherwise pads an answer with newlines until
-# max_tokens. A schema's own "x-guidance" options still override this.
-JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False}
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+# Compact JSON, no optional whitespace: an answer takes the fewest tokens and a model cannot spend
+# its max_tokens on blank lines. A schema's own "x-guidance" options still override this.
+JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
 COMPILED_CACHE_SIZE = 256  # distinct settings kept compiled (a job usually has one)
 
 
