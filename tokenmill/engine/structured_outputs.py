@@ -63,10 +63,15 @@ def check_grammar(so: StructuredOutputsParams) -> None:
     try:
         grammar = grammar_text(so)
     except ValueError as exc:
-        raise ValueError(f"structured_outputs.{so.kind}: {_readable(str(exc))}") from None
+        raise ValueError(_refusal(so, str(exc))) from None
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
-        raise ValueError(f"structured_outputs.{so.kind}: {_readable(error)}")
+        raise ValueError(_refusal(so, error))
+
+
+def _refusal(so: StructuredOutputsParams, message: str) -> str:
+    """`structured_outputs.<kind>: why`, the form every caller maps to its own field or flag."""
+    return f"structured_outputs.{so.kind}: {_readable(message)}"
 
 
 def _readable(message: str) -> str:
@@ -119,8 +124,8 @@ class GrammarCompiler:
             return future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
             # The worker finishes in the background, within llguidance's own work limits.
-            return (f"structured_outputs.{so.kind}: compiling it took longer than {self.timeout_s:g} s "
-                    "(grammar_compile_timeout_s); simplify it")
+            return _refusal(so, f"compiling it took longer than {self.timeout_s:g} s (grammar_compile_timeout_s); "
+                                "simplify it")
 
     @staticmethod
     def _build(tokenizer: llguidance.LLTokenizer, hf_tokenizer: Any,
@@ -128,10 +133,10 @@ class GrammarCompiler:
         try:
             grammar = grammar_text(so, hf_tokenizer)
         except ValueError as exc:
-            return f"structured_outputs.{so.kind}: {_readable(str(exc))}"
+            return _refusal(so, str(exc))
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            return f"structured_outputs.{so.kind}: {_readable(matcher.get_error())}"
+            return _refusal(so, matcher.get_error())
         return matcher
 
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
