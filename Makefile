@@ -21,19 +21,19 @@ install: $(STAMP)
 
 # A real batch job: 240 product reviews to label and summarise (examples/reviews.jsonl, written by
 # examples/make_reviews.py), on the embedded model; --overwrite so every demo starts afresh.
-# Then the same job constrained, to a JSON schema and to a choice of the three labels, and the
-# label accuracy of all three against the true labels (examples/reviews.labels.jsonl). The JSON
-# run gets more tokens: its braces and keys take some, and a cut answer is not valid JSON.
+# Then `tokenmill choose` on a sample of 120 of its rows: the same model free, held to a JSON
+# schema, and held to a choice of the three labels, each scored against the true labels
+# (examples/reviews.labels.jsonl). The JSON candidate gets more tokens: its braces and keys take
+# some, and a cut answer is not valid JSON.
 demo: $(STAMP)
 	$(VENV)/bin/tokenmill run examples/reviews.jsonl -o out/demo --overwrite \
 		--max-tokens 24 --temperature 0 --price-per-hour 0.10
-	$(VENV)/bin/tokenmill run examples/reviews.jsonl -o out/demo-json --overwrite \
-		--max-tokens 48 --temperature 0 --price-per-hour 0.10 --json-schema examples/review_schema.json
-	$(VENV)/bin/tokenmill run examples/reviews.jsonl -o out/demo-choice --overwrite \
-		--max-tokens 24 --temperature 0 --price-per-hour 0.10 --choice positive,negative,mixed
-	@for run in demo demo-json demo-choice; do \
-		echo "out/$$run:"; $(PY) examples/score_labels.py out/$$run/results.jsonl examples/reviews.labels.jsonl; \
-	done
+	$(VENV)/bin/tokenmill choose examples/reviews.jsonl --expected examples/reviews.labels.jsonl \
+		-o out/choose --overwrite --sample 120 --scorer label --min-quality 0.45 --clear-by mean \
+		--flags "--temperature 0" --price-per-hour 0.10 \
+		--candidate "free=--max-tokens 24" \
+		--candidate "json=--max-tokens 48 --json-schema examples/review_schema.json" \
+		--candidate "choice=--max-tokens 24 --choice positive,negative,mixed"
 
 test: $(STAMP)
 	$(PY) -m pytest -q -rs

@@ -1,7 +1,7 @@
 """Write examples/reviews.jsonl: 240 product reviews to label and summarise, in the OpenAI Batch
 API format, all sharing one instruction with three worked examples (so the prefix cache computes
 it once), and examples/reviews.labels.jsonl: the true label of each, by custom_id (the fragments
-a review is made of decide it), for examples/score_labels.py.
+a review is made of decide it), for `tokenmill choose --expected` (see the Makefile's demo).
 
 Reviews are put together from hand-written fragments, deterministically: re-running this script
 gives the same files, byte for byte.

@@ -12,7 +12,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "tokenmill"
 
 # Each part of tokenmill/ and the parts it may import (besides itself). Arrows only point down:
-# serve → jobs → openai_compat → engine, bench → models, plan → cost, environment.
+# serve, choose → jobs → openai_compat → engine, bench → models, plan → cost, environment.
 LAYERS: dict[str, set[str]] = {
     "cost": set(),
     "environment": set(),
@@ -23,6 +23,7 @@ LAYERS: dict[str, set[str]] = {
     "openai_compat": {"engine"},
     "jobs": {"openai_compat", "engine", "models", "cost", "environment"},
     "serve": {"jobs", "openai_compat", "engine", "environment"},
+    "choose": {"jobs", "openai_compat", "plan", "cost", "environment"},
     "cli": set(),  # loads each command's package by name (importlib), so it imports none of them
     "__main__": {"cli"},
     "__init__": {"engine"},  # `from tokenmill import LLM`: the facade for users, not for the package itself

@@ -14,6 +14,7 @@ _SUBCOMMANDS = {
     "run": ("jobs", "run a batch job: JSONL in, OpenAI batch output out, resumable"),
     "serve": ("serve", "an OpenAI-compatible server (completions, chat, Batch API, metrics)"),
     "bench": ("bench", "benchmark throughput, latency and cost (`bench compare` files)"),
+    "choose": ("choose", "the cheapest candidate whose quality on a sample of your job clears a bar"),
 }
 
 

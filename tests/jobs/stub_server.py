@@ -9,7 +9,8 @@ Attempts past the script's end are "ok". The server answers at most `max_request
 An outage: `go_down(seconds)` (or `outage_after=n`: once n requests were admitted, for
 `outage_s`) makes every request, POST or the breaker's GET /v1/models, a dropped connection,
 counted in `down_hits` by method, as a killed server behind a proxy looks; `come_back()` ends it.
-GET /v1/models answers a model list while up.
+GET /v1/models answers a model list while up. `answer(body, key)`, when given, writes the reply's
+text (default: "echo: KEY"), for tests that score answers.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import math
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -27,8 +29,10 @@ class StubServer:
     def __init__(
         self, script: dict[str, list[str]] | None = None, delay: float = 0.0, slow_s: float = 1.0,
         max_requests: int = 500, outage_after: int | None = None, outage_s: float = 0.0,
+        answer: Callable[[dict[str, Any], str], str] | None = None,
     ) -> None:
         self.script = script or {}
+        self.answer = answer
         self.delay, self.slow_s, self.max_requests = delay, slow_s, max_requests
         self.outage_after, self.outage_s = outage_after, outage_s
         self.down_until = 0.0  # monotonic time the current outage ends
@@ -93,13 +97,14 @@ class StubServer:
             self.inflight -= 1
 
 
-def completion(body: dict[str, Any], key: str) -> dict[str, Any]:
+def completion(body: dict[str, Any], key: str, text: str | None = None) -> dict[str, Any]:
     words = len(key.split())
+    text = f"echo: {key}" if text is None else text
     if "messages" in body:
-        choice = {"index": 0, "message": {"role": "assistant", "content": f"echo: {key}"}, "finish_reason": "stop"}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
         kind = "chat.completion"
     else:
-        choice = {"index": 0, "text": f"echo: {key}", "finish_reason": "stop"}
+        choice = {"index": 0, "text": text, "finish_reason": "stop"}
         kind = "text_completion"
     usage = {"prompt_tokens": words + 5, "completion_tokens": words + 1, "total_tokens": 2 * words + 6,
              "prompt_tokens_details": {"cached_tokens": 2}}
@@ -149,7 +154,8 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
                 time.sleep(stub.slow_s)
             status, headers = {"429": (429, {"Retry-After": "0"}), "429-wait": (429, {"Retry-After": "1"}),
                                "500": (500, {}), "400": (400, {})}.get(action, (200, {}))
-            reply = completion(body, key) if status == 200 else {"error": {"message": f"stub says {action}"}}
+            text = stub.answer(body, key) if stub.answer else None
+            reply = completion(body, key, text) if status == 200 else {"error": {"message": f"stub says {action}"}}
             self._send(status, reply, headers)
 
         def _send(self, status: int, reply: dict[str, Any], headers: dict[str, str]) -> None:

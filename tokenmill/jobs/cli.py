@@ -83,17 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        options = DocumentOptions(
-            system=args.system, template=args.template, max_tokens=args.max_tokens,
-            temperature=args.temperature, model=args.model if args.endpoint else None,
-            completions=args.completions, structured_outputs=_structured_outputs(args),
-        )
-        config = JobConfig(
-            input=args.input, output=args.output, options=options, errors=args.errors,
-            input_format=args.input_format, strict=args.strict, overwrite=args.overwrite, order=args.order,
-            price_per_hour=args.price_per_hour, progress=not args.no_progress,
-        )
-        return run_job(config, _backend(args))
+        return run_job(job_config(args), make_backend(args))
     except JobFailed as exc:
         print(f"tokenmill run: {exc}", file=sys.stderr)
         return EXIT_JOB_FAILED
@@ -103,6 +93,20 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # before the work started (validation); nothing to resume yet
         print("tokenmill run: interrupted before any request ran", file=sys.stderr)
         return 130
+
+
+def job_config(args: argparse.Namespace) -> JobConfig:
+    """The job the flags ask for (`tokenmill choose` builds each candidate's job here too)."""
+    options = DocumentOptions(
+        system=args.system, template=args.template, max_tokens=args.max_tokens,
+        temperature=args.temperature, model=args.model if args.endpoint else None,
+        completions=args.completions, structured_outputs=_structured_outputs(args),
+    )
+    return JobConfig(
+        input=args.input, output=args.output, options=options, errors=args.errors,
+        input_format=args.input_format, strict=args.strict, overwrite=args.overwrite, order=args.order,
+        price_per_hour=args.price_per_hour, progress=not args.no_progress,
+    )
 
 
 def _structured_outputs(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -115,7 +119,8 @@ def _structured_outputs(args: argparse.Namespace) -> dict[str, Any] | None:
     return None if setting is None else structured_outputs_body(setting)
 
 
-def _backend(args: argparse.Namespace) -> Backend:
+def make_backend(args: argparse.Namespace) -> Backend:
+    """The backend the flags ask for: the embedded engine, an endpoint, or Ray replicas of either."""
     endpoints = args.endpoint or []
     if len(endpoints) > 1 and not args.ray:
         raise JobError("several --endpoint need --ray (each replica spreads its batches over them)")

@@ -218,6 +218,16 @@ class EndpointBackend:
     def start(self) -> None:
         """Connections are opened per run."""
 
+    def unreachable(self) -> str | None:
+        """One probe now: None when the endpoint answers, else why not (`tokenmill choose` asks
+        before a candidate's run, so a server that is down costs one probe, not --retry-for)."""
+        async def probe() -> str | None:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            async with httpx.AsyncClient(base_url=self.base_url, headers=headers) as client:
+                return await self._probe(client)
+
+        return asyncio.run(probe())
+
     def run(self, requests: Iterator[BatchRequest], sink: ResultSink, stop: StopFlag) -> BackendStats:
         self._retries = 0
         before = sink.done + sink.failed

@@ -109,6 +109,16 @@ def finish_reason_of(body: dict[str, Any] | None) -> str | None:
     return first.get("finish_reason") if isinstance(first, dict) else None
 
 
+def answer_of(body: dict[str, Any] | None) -> str | None:
+    """The first choice's text in an OpenAI response body (chat or completions); None where missing."""
+    choices = (body or {}).get("choices")
+    first = choices[0] if isinstance(choices, list) and choices else None
+    if not isinstance(first, dict):
+        return None
+    text = (first.get("message") or {}).get("content") if "message" in first else first.get("text")
+    return text if isinstance(text, str) else None
+
+
 def usage_of(body: dict[str, Any] | None) -> tuple[int, int, int]:
     """(prompt, cached, completion) tokens from an OpenAI response body; zeros where missing."""
     usage = (body or {}).get("usage") or {}

@@ -1,0 +1,142 @@
+"""``tokenmill choose``: argument parsing and wiring; the work is in runner.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from tokenmill.choose.candidates import parse_candidate
+from tokenmill.choose.judge import DEFAULT_RUBRIC, check_rubric
+from tokenmill.choose.judge_job import JudgeConfig
+from tokenmill.choose.report import print_report, write_reports
+from tokenmill.choose.results import CLEAR_BY, DONE
+from tokenmill.choose.runner import ChooseConfig, choose
+from tokenmill.choose.scorers import SCORERS
+from tokenmill.environment import CLIENT_API_KEY_ENV, client_api_key
+from tokenmill.jobs.spec import FORMATS
+
+EXIT_OK, EXIT_NOT_ALL_DONE, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("job", type=Path, help="the job's input, as `tokenmill run` takes it (batch JSONL, JSONL or text)")
+    add("--expected", type=Path, required=True,
+        help='JSONL: {"custom_id" (or "id"), "expected" (or one other field, e.g. "label")} a line')
+    add("-o", "--output", type=Path, required=True,
+        help="a folder: the sample, each candidate's job under candidates/NAME/, report.{md,json,png}")
+    add("--candidate", action="append", required=True, metavar="NAME=FLAGS",
+        help="a candidate and its `tokenmill run` flags, e.g. 'local=--price-per-hour 0.1', "
+        "'api=--endpoint URL --model M --price-per-m-input 0.15 --price-per-m-output 0.6'; repeat it")
+    add("--flags", default="", metavar="FLAGS", help="`tokenmill run` flags every candidate gets before its own")
+    add("--min-quality", type=_fraction, required=True, help="the bar, a mean score in 0..1")
+    add("--clear-by", choices=CLEAR_BY, default="lower",
+        help="clear the bar by the 95%% interval's lower bound (default) or by the mean")
+    add("--sample", type=int, default=200, help="rows to draw (default 200; all rows if the job has fewer)")
+    add("--seed", type=int, default=0, help="the draw's seed (default 0)")
+    add("--input-format", choices=FORMATS, default="auto", help="the job's format (default: by suffix and first line)")
+    add("--price-per-hour", type=float, help="$/hour for candidates that give no price of their own")
+    add("--hardware", help="also show each embedded candidate's ceiling $/M on this hardware (the planner's "
+        "catalog name, or this-machine): a bound, not a measurement")
+    add("--overwrite", action="store_true", help="discard this folder's sample and runs and start over")
+    add("--no-progress", action="store_true", help="no live progress bars")
+    score = parser.add_argument_group("scoring")
+    score.add_argument("--scorer", default="exact",
+                       help=f"{', '.join(SCORERS)}, or python:MODULE:FUNCTION / python:FILE.py:FUNCTION "
+                       "(function(answer, expected) -> 0..1) (default exact; docs/choose.md)")
+    score.add_argument("--schema", type=Path, help="json scorer: a JSON Schema the answers must follow")
+    judge = parser.add_argument_group("the judge (--scorer judge): an OpenAI-compatible endpoint grades each answer")
+    judge.add_argument("--judge-endpoint", metavar="URL", help="e.g. http://localhost:8000/v1")
+    judge.add_argument("--judge-model", help="the model name sent in every judge request")
+    judge.add_argument("--judge-rubric", type=Path,
+                       help="the judge's prompt, with {answer} and optionally {prompt} and {expected}; it must "
+                       "ask for a last line 'SCORE: n' (n of 10) (default: a correctness rubric)")
+    judge.add_argument("--judge-api-key", help=f"bearer token (default: ${' or $'.join(CLIENT_API_KEY_ENV)})")
+    judge.add_argument("--judge-concurrency", type=int, default=8, help="judge requests in flight (default 8)")
+    judge.add_argument("--judge-retry-for", type=float, default=600.0, metavar="SECONDS",
+                       help="as --retry-for of `tokenmill run` (default 600)")
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in 0..1, got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in 0..1, got {value:g}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    try:
+        config = _config(args)
+        report = choose(config, console)
+    except KeyboardInterrupt:
+        print("tokenmill choose: interrupted; what ran is kept: re-run the same command to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (ValueError, FileNotFoundError) as exc:  # bad input, a candidate's flags, a scorer that failed
+        print(f"tokenmill choose: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    # A terminal's own width; 200 columns in a pipe or a log, where rich would assume 80 and squeeze the table.
+    print_report(report, Console() if sys.stdout.isatty() else Console(width=200))
+    for kind, path in write_reports(report, args.output).items():
+        console.print(f"{kind}: {path}", markup=False, highlight=False)
+    return EXIT_OK if all(c.status == DONE for c in report.candidates) else EXIT_NOT_ALL_DONE
+
+
+def _config(args: argparse.Namespace) -> ChooseConfig:
+    if args.hardware:
+        _check_hardware(args.hardware)
+    candidates = [parse_candidate(text, args.flags, args.price_per_hour) for text in args.candidate]
+    names = [c.name for c in candidates]
+    if len(set(names)) < len(names):
+        raise ValueError(f"--candidate names must differ: {sorted({n for n in names if names.count(n) > 1})}")
+    return ChooseConfig(
+        job=args.job, expected=args.expected, output=args.output, candidates=candidates,
+        min_quality=args.min_quality, clear_by=args.clear_by, scorer=args.scorer, schema=_schema(args),
+        judge=_judge(args), sample=args.sample, seed=args.seed, input_format=args.input_format,
+        hardware=args.hardware, overwrite=args.overwrite, progress=not args.no_progress,
+    )
+
+
+def _check_hardware(name: str) -> None:
+    from tokenmill.plan import get_hardware
+    from tokenmill.plan.catalog import THIS_MACHINE
+
+    if name.lower() != THIS_MACHINE:
+        get_hardware(name)  # PlanError (a ValueError) naming the known ones
+
+
+def _schema(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.schema is None:
+        return None
+    try:
+        schema = json.loads(args.schema.read_text())
+    except ValueError as exc:
+        raise ValueError(f"--schema {args.schema}: not JSON ({exc})") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--schema {args.schema}: a JSON Schema is an object")
+    return schema
+
+
+def _judge(args: argparse.Namespace) -> JudgeConfig | None:
+    judge_flags = [f for f in ("judge_endpoint", "judge_model", "judge_rubric", "judge_api_key") if getattr(args, f)]
+    if args.scorer != "judge":
+        if judge_flags:
+            raise ValueError(f"--{judge_flags[0].replace('_', '-')} needs --scorer judge")
+        return None
+    if not args.judge_endpoint:
+        raise ValueError("--scorer judge needs --judge-endpoint (an OpenAI-compatible server to grade the answers)")
+    rubric = args.judge_rubric.read_text() if args.judge_rubric else DEFAULT_RUBRIC
+    try:
+        check_rubric(rubric)
+    except ValueError as exc:
+        raise ValueError(f"--judge-rubric {args.judge_rubric}: {exc}") from None
+    return JudgeConfig(args.judge_endpoint, rubric, args.judge_model, client_api_key(args.judge_api_key),
+                       args.judge_concurrency, args.judge_retry_for)

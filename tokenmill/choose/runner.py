@@ -1,0 +1,307 @@
+"""`tokenmill choose` from start to end: sample the job, run each candidate on it as a `tokenmill
+run` job, score the answers, measure and project, decide.
+
+Candidates run one after another (side by side they would share the machine and each measure
+the other's load). Each has its own folder, `OUT/candidates/NAME/`, holding an ordinary job's
+files, so a re-run resumes the one that was cut off and finds the others done. Speeds come from
+the job summaries of the runs that finished (`runs.jsonl` beside them): a run killed before its
+summary leaves rows that are scored but not timed.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from tokenmill.choose.candidates import Candidate
+from tokenmill.choose.expected import compare_ids, read_expected
+from tokenmill.choose.judge_job import JudgeConfig, judge_scores
+from tokenmill.choose.results import DONE, FAILED, INCOMPLETE, CandidateResult, ChooseReport, Projection
+from tokenmill.choose.sample import JobRows, Sample, prepare_sample, read_job
+from tokenmill.choose.scorers import Score, Scorer, make_scorer
+from tokenmill.choose.stats import decide, quality
+from tokenmill.cost import MILLION
+from tokenmill.jobs.endpoint import EndpointBackend
+from tokenmill.jobs.output import (
+    JobError,
+    JobFailed,
+    OutputPaths,
+    answer_of,
+    is_final,
+    repair_jsonl,
+    usage_of,
+    write_json_atomic,
+)
+from tokenmill.jobs.runner import EXIT_INTERRUPTED, run_job
+from tokenmill.jobs.spec import read_input
+
+CANDIDATES, RUNS_FILE, CANDIDATE_FILE = "candidates", "runs.jsonl", "candidate.json"
+
+
+@dataclass
+class ChooseConfig:
+    job: Path
+    expected: Path
+    output: Path
+    candidates: list[Candidate]
+    min_quality: float
+    clear_by: str = "lower"
+    scorer: str = "label"
+    schema: dict[str, Any] | None = None  # for the json scorer
+    judge: JudgeConfig | None = None  # when scorer == "judge"
+    sample: int = 200
+    seed: int = 0
+    input_format: str = "auto"
+    hardware: str | None = None
+    overwrite: bool = False
+    progress: bool = True
+    warnings: list[str] = field(default_factory=list)
+
+
+def choose(config: ChooseConfig, console: Console) -> ChooseReport:
+    """Run every candidate on the sample and decide. Raises JobError for input that cannot be
+    used (before any run), ScorerError for a scorer that fails on a row, KeyboardInterrupt when
+    stopped (what ran is kept: the same command resumes)."""
+    job = read_job(config.job, config.input_format)
+    expected = read_expected(config.expected)
+    eligible = _eligible(job, expected, config)
+    scorer = None if config.judge else make_scorer(config.scorer, expected, config.schema)
+    sample = prepare_sample(job, eligible, config.sample, config.seed, config.output, config.overwrite)
+    _say(console, f"{'reusing' if sample.reused else 'drew'} a sample of {len(sample.ids)} of {len(job.entries)} "
+                  f"rows (seed {config.seed}) → {sample.path}")
+    results = []
+    for candidate in config.candidates:
+        result = _run(candidate, sample, config, console)
+        answers = _read_answers(config.output / CANDIDATES / candidate.name, sample.ids)
+        scores = (judge_scores(config.judge, candidate.name, answers, _prompts(candidate, sample), expected,
+                               config.output, console, config.progress) if config.judge
+                  else _scores(scorer, answers, expected))  # type: ignore[arg-type]
+        _fill(result, answers, scores, sample, job, config.output / CANDIDATES / candidate.name)
+        results.append(result)
+    if config.hardware:
+        from tokenmill.choose.ceiling import add_ceilings
+
+        models = {c.name: c.model() for c in config.candidates}
+        config.warnings.extend(add_ceilings(results, models, config.hardware))
+    verdict = decide(results, config.min_quality, config.clear_by)
+    return ChooseReport(
+        job=str(config.job), job_rows=len(job.entries), sample=len(sample.ids), seed=config.seed,
+        scorer=config.scorer, candidates=results, verdict=verdict, hardware=config.hardware,
+        warnings=config.warnings)
+
+
+def _eligible(job: JobRows, expected: dict[str, Any], config: ChooseConfig) -> list[str]:
+    """The job's rows that have an expected answer; the mismatches become warnings."""
+    check = compare_ids(job.ids, expected)
+    config.warnings.extend(check.warnings())
+    if job.invalid_lines:
+        config.warnings.append(f"{job.invalid_lines} bad line(s) in the job are left out of the sample")
+    missing = set(check.missing)
+    eligible = [i for i in job.ids if i not in missing]
+    if not eligible:
+        raise JobError(f"no row of {config.job} has an expected answer in {config.expected} "
+                       f"(the job's ids look like {job.ids[0]!r}, the expected file's like {next(iter(expected))!r})")
+    return eligible
+
+
+# ---- running one candidate ---------------------------------------------------------------------
+def _run(candidate: Candidate, sample: Sample, config: ChooseConfig, console: Console) -> CandidateResult:
+    """Run (or resume) the candidate's job; a candidate that cannot run gets its reason, and the
+    others go on."""
+    folder = config.output / CANDIDATES / candidate.name
+    result = CandidateResult(candidate.name, candidate.flags_text, candidate.price, rows=len(sample.ids))
+    if (earlier := _finished_earlier(candidate, folder, sample.ids)) is not None:
+        result.backend, result.model = earlier["backend"], earlier["model"]
+        _say(console, f"[{candidate.name}] finished in an earlier run: its {len(sample.ids)} rows are reused")
+        return result
+    _say(console, f"\n[{candidate.name}] tokenmill run {candidate.flags_text}")
+    try:
+        code = _run_job(candidate, sample, folder, config.progress, result, console)
+    except JobFailed as exc:
+        result.status, result.reason = INCOMPLETE, str(exc)
+    except (JobError, ValueError, OSError, RuntimeError, ImportError) as exc:  # cannot load, flags changed
+        result.status, result.reason = FAILED, f"{type(exc).__name__}: {exc}"
+    finally:
+        gc.collect()  # the engine's memory goes before the next candidate loads its own
+    if result.status != DONE:
+        return result
+    if code == EXIT_INTERRUPTED:  # Ctrl-C / SIGTERM: its rows so far are kept, a re-run resumes
+        raise KeyboardInterrupt
+    _log_run(folder)
+    write_json_atomic(folder / CANDIDATE_FILE, {"flags": candidate.flags_text, "backend": result.backend,
+                                                "model": result.model})
+    return result
+
+
+def _run_job(candidate: Candidate, sample: Sample, folder: Path, progress: bool, result: CandidateResult,
+             console: Console) -> int:
+    """The job's exit code; FAILED in `result` when its endpoint does not answer (one probe, where
+    the job would keep trying for --retry-for)."""
+    job_config = candidate.job_config(sample.path, folder, progress)
+    backend = candidate.backend(sample.path, folder)
+    result.backend, result.model = backend.kind, backend.model
+    if isinstance(backend, EndpointBackend) and (down := backend.unreachable()) is not None:
+        result.status, result.reason = FAILED, f"endpoint down: {down}"
+        return 0
+    return run_job(job_config, backend, console)
+
+
+def _finished_earlier(candidate: Candidate, folder: Path, ids: list[str]) -> dict[str, Any] | None:
+    """What an earlier run with the same flags recorded, when it left every row final; then there
+    is nothing to run, and loading its model only to find that out is skipped."""
+    path = folder / CANDIDATE_FILE
+    if not path.exists():
+        return None
+    earlier = json.loads(path.read_text())
+    if earlier.get("flags") != candidate.flags_text or len(_read_answers(folder, ids)) < len(ids):
+        return None
+    return earlier
+
+
+def _log_run(folder: Path) -> None:
+    """Keep this run's timing: the job's summary.json holds only the last run's."""
+    summary = json.loads(OutputPaths.from_option(folder).summary.read_text())
+    run = {"rows": summary["requests"]["done_this_run"], "wall_s": summary["time"]["wall_s"],
+           "prompt_tokens": summary["tokens"]["prompt"], "completion_tokens": summary["tokens"]["completion"],
+           **{k: summary["engine"][k] for k in ("prefill_tokens", "prefill_s", "decode_tokens", "decode_s")}}
+    if run["rows"]:
+        with (folder / RUNS_FILE).open("a") as f:
+            f.write(json.dumps(run) + "\n")
+
+
+# ---- answers and scores ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Answer:
+    custom_id: str
+    text: str | None  # None: the row failed (error) or was not done
+    body: dict[str, Any] | None = None
+    error: str | None = None  # the error code of a failed row
+
+
+def _read_answers(folder: Path, ids: list[str]) -> dict[str, Answer]:
+    """Each sample row's answer or failure; rows with neither are left out (not done)."""
+    paths = OutputPaths.from_option(folder)
+    answers: dict[str, Answer] = {}
+    for row in repair_jsonl(paths.errors)[0]:
+        if is_final(row):
+            answers[row["custom_id"]] = Answer(row["custom_id"], None, error=row["error"]["code"])
+    for row in repair_jsonl(paths.results)[0]:
+        body = row["response"]["body"]
+        answers[row["custom_id"]] = Answer(row["custom_id"], answer_of(body) or "", body)
+    return {i: answers[i] for i in ids if i in answers}
+
+
+def _runs(folder: Path) -> Iterator[dict[str, Any]]:
+    path = folder / RUNS_FILE
+    if not path.exists():
+        return
+    for line in path.read_bytes().splitlines():
+        try:
+            yield json.loads(line)
+        except ValueError:  # torn by a kill mid-append: that run's timing is lost, nothing else
+            continue
+
+
+def _scores(scorer: Scorer, answers: dict[str, Answer], expected: dict[str, Any]) -> dict[str, Score]:
+    return {i: scorer.score(a.text, expected[i], i) for i, a in answers.items() if a.text is not None}
+
+
+def _prompts(candidate: Candidate, sample: Sample) -> dict[str, str]:
+    """The task each row puts to the model (with the candidate's own system prompt and
+    template applied), for the judge."""
+    options = candidate.job_config(sample.path, Path("unused")).options
+    spec = read_input(sample.path, options)
+    return {r.custom_id: _prompt_text(r.body) for r in spec.requests(spec.entries)}
+
+
+def _prompt_text(body: dict[str, Any]) -> str:
+    if "prompt" in body:
+        return str(body["prompt"])
+    parts = []
+    for message in body["messages"]:
+        content = message.get("content")
+        text = content if isinstance(content, str) else " ".join(
+            p.get("text", "") for p in content if isinstance(p, dict))
+        parts.append(f"{message['role']}: {text}")
+    return "\n".join(parts)
+
+
+# ---- what the candidate got, measured and projected -----------------------------------------------
+def _fill(result: CandidateResult, answers: dict[str, Answer], scores: dict[str, Score], sample: Sample,
+          job: JobRows, folder: Path) -> None:
+    notes: Counter[str] = Counter()
+    values = []
+    for custom_id in sample.ids:
+        answer = answers.get(custom_id)
+        score = scores.get(custom_id) or Score(0.0, f"failed: {answer.error}" if answer else "not done")
+        values.append(score.value)
+        if score.note:
+            notes[score.note] += 1
+    answered = [a for a in answers.values() if a.body is not None]
+    result.answered, result.failed = len(answered), sum(a.error is not None for a in answers.values())
+    if result.status == DONE and len(answers) < len(sample.ids):
+        result.status, result.reason = INCOMPLETE, f"{len(sample.ids) - len(answers)} row(s) not done"
+    result.quality = quality(values)
+    result.notes = dict(notes.most_common())
+    for a in answered:
+        prompt, _, completion = usage_of(a.body)
+        result.prompt_tokens += prompt
+        result.output_tokens += completion
+    _measure(result, folder)
+    _project(result, job, [a.custom_id for a in answered], folder)
+
+
+def _timed(folder: Path) -> dict[str, float]:
+    """The finished runs' timing, summed (see _log_run)."""
+    total: Counter[str] = Counter()
+    for run in _runs(folder):
+        total.update({k: v for k, v in run.items() if v is not None})
+    return dict(total)
+
+
+def _measure(result: CandidateResult, folder: Path) -> None:
+    t = _timed(folder)
+    if t.get("wall_s") and t.get("completion_tokens"):
+        result.output_tok_s = round(t["completion_tokens"] / t["wall_s"], 2)
+    if t.get("prefill_s"):
+        result.prefill_tok_s = round(t["prefill_tokens"] / t["prefill_s"], 1)
+    if result.output_tokens and (result.output_tok_s or result.price.per_hour is None):
+        wall = result.output_tokens / result.output_tok_s if result.output_tok_s else None
+        usd = result.price.cost(wall, result.prompt_tokens, result.output_tokens)
+        result.usd_per_m_output = None if usd is None else usd / result.output_tokens * MILLION
+
+
+def _project(result: CandidateResult, job: JobRows, answered: list[str], folder: Path) -> None:
+    """The whole job: prompt tokens from the file's bytes at the sample's tokens per byte, output
+    tokens at the sample's mean per row; time at the measured rates, prefill and decode each
+    scaled by its own tokens (their split from the engine; by output tokens for an endpoint)."""
+    if not answered:
+        return
+    rows = len(job.entries)
+    sample_bytes = sum(job.sizes[i] for i in answered)
+    prompt = round(result.prompt_tokens * sum(job.sizes.values()) / sample_bytes)
+    output = round(result.output_tokens * rows / len(answered))
+    wall = _projected_wall(_timed(folder), prompt, output)
+    result.projected = Projection(rows, prompt, output, wall, result.price.cost(wall, prompt, output))
+
+
+def _projected_wall(t: dict[str, float], prompt: int, output: int) -> float | None:
+    if not t.get("wall_s") or not t.get("completion_tokens"):
+        return None
+    decode_scale = output / t["completion_tokens"]
+    engine_s = t.get("prefill_s", 0.0) + t.get("decode_s", 0.0)
+    if not engine_s or not t.get("prompt_tokens"):
+        return t["wall_s"] * decode_scale
+    prefill_share = t.get("prefill_s", 0.0) / engine_s
+    return t["wall_s"] * (prefill_share * prompt / t["prompt_tokens"] + (1 - prefill_share) * decode_scale)
+
+
+def _say(console: Console, text: str) -> None:
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
