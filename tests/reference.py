@@ -7,7 +7,9 @@ reference's top-2 logits at that step within TIE_TOLERANCE, and the engine's tok
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,8 +32,16 @@ def reference_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: 
         token = int(step_logits.argmax())
         tokens.append(token)
         logits.append(step_logits)
-        out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+        out = model(input_ids=torch.tensor([[token]]), **_cache_kwarg(model, out), use_cache=True)
     return Reference(tokens, logits)
+
+
+def _cache_kwarg(model: torch.nn.Module, out: Any) -> dict[str, Any]:
+    """The KV cache to pass on: transformers 5.2x names it `cache` (`past_key_values` is deprecated,
+    to go in 5.40); earlier versions only know `past_key_values`."""
+    if "cache" in inspect.signature(model.forward).parameters:
+        return {"cache": out.cache}
+    return {"past_key_values": out.past_key_values}
 
 
 def assert_matches_reference(got: list[int], ref: Reference, what: str = "") -> None:

@@ -16,7 +16,7 @@ from tokenmill.choose.judge_job import JudgeConfig
 from tokenmill.choose.report import print_report, write_reports
 from tokenmill.choose.results import CLEAR_BY, DONE
 from tokenmill.choose.runner import ChooseConfig, choose
-from tokenmill.choose.scorers import SCORERS
+from tokenmill.choose.scorers import DEFAULT_SCORER, SCORERS
 from tokenmill.environment import CLIENT_API_KEY_ENV, client_api_key
 from tokenmill.jobs.spec import FORMATS
 
@@ -33,12 +33,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--candidate", action="append", required=True, metavar="NAME=FLAGS",
         help="a candidate and its `tokenmill run` flags, e.g. 'local=--price-per-hour 0.1', "
         "'api=--endpoint URL --model M --price-per-m-input 0.15 --price-per-m-output 0.6'; repeat it")
-    add("--flags", default="", metavar="FLAGS", help="`tokenmill run` flags every candidate gets before its own")
+    add("--flags", default="", metavar="FLAGS", help="`tokenmill run` flags every candidate gets before its own "
+        "(a single flag as --flags=--no-progress, so that it is not read as one of choose's)")
     add("--min-quality", type=_fraction, required=True, help="the bar, a mean score in 0..1")
-    add("--clear-by", choices=CLEAR_BY, default="lower",
+    add("--clear-by", choices=CLEAR_BY, default=ChooseConfig.clear_by,
         help="clear the bar by the 95%% interval's lower bound (default) or by the mean")
-    add("--sample", type=int, default=200, help="rows to draw (default 200; all rows if the job has fewer)")
-    add("--seed", type=int, default=0, help="the draw's seed (default 0)")
+    add("--sample", type=int, default=ChooseConfig.sample,
+        help=f"rows to draw (default {ChooseConfig.sample}; all rows if the job has fewer)")
+    add("--seed", type=int, default=ChooseConfig.seed, help=f"the draw's seed (default {ChooseConfig.seed})")
     add("--input-format", choices=FORMATS, default="auto", help="the job's format (default: by suffix and first line)")
     add("--price-per-hour", type=float, help="$/hour for candidates that give no price of their own")
     add("--hardware", help="also show each embedded candidate's ceiling $/M on this hardware (the planner's "
@@ -46,9 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--overwrite", action="store_true", help="discard this folder's sample and runs and start over")
     add("--no-progress", action="store_true", help="no live progress bars")
     score = parser.add_argument_group("scoring")
-    score.add_argument("--scorer", default="exact",
+    score.add_argument("--scorer", default=DEFAULT_SCORER,
                        help=f"{', '.join(SCORERS)}, or python:MODULE:FUNCTION / python:FILE.py:FUNCTION "
-                       "(function(answer, expected) -> 0..1) (default exact; docs/choose.md)")
+                       f"(function(answer, expected) -> 0..1) (default {DEFAULT_SCORER}; docs/choose.md)")
     score.add_argument("--schema", type=Path, help="json scorer: a JSON Schema the answers must follow")
     judge = parser.add_argument_group("the judge (--scorer judge): an OpenAI-compatible endpoint grades each answer")
     judge.add_argument("--judge-endpoint", metavar="URL", help="e.g. http://localhost:8000/v1")

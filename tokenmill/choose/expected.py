@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenmill.jobs.spec import decode_line
+from tokenmill.jobs.spec import json_object_line
 
 ID_KEYS = ("custom_id", "id")  # the first one present is the row's id
 ANSWER_KEY = "expected"
@@ -54,10 +54,10 @@ def read_expected(path: Path) -> dict[str, Any]:
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
             try:
-                text = decode_line(raw, number)  # LineError, a ValueError
-                if not text.strip():
+                if not raw.strip():
                     continue
-                custom_id, answer = _parse_line(text)
+                obj = json_object_line(raw, number)  # LineError (a ValueError) saying why not
+                custom_id, answer = _row_id(obj), _answer(obj)
                 if custom_id in first_line:
                     raise ValueError(f"duplicate id {json.dumps(custom_id)} (first on line {first_line[custom_id]})")
             except ValueError as exc:
@@ -77,16 +77,6 @@ def compare_ids(sample_ids: Iterable[str], expected: Mapping[str, Any]) -> IdChe
         missing=[i for i in job_ids if i not in expected],
         unknown=[i for i in expected if i not in in_job],
     )
-
-
-def _parse_line(text: str) -> tuple[str, Any]:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
-    return _row_id(obj), _answer(obj)
 
 
 def _row_id(obj: dict[str, Any]) -> str:

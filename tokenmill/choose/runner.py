@@ -25,7 +25,7 @@ from tokenmill.choose.expected import compare_ids, read_expected
 from tokenmill.choose.judge_job import JudgeConfig, judge_scores
 from tokenmill.choose.results import DONE, FAILED, INCOMPLETE, CandidateResult, ChooseReport, Projection
 from tokenmill.choose.sample import JobRows, Sample, prepare_sample, read_job
-from tokenmill.choose.scorers import Score, Scorer, make_scorer
+from tokenmill.choose.scorers import DEFAULT_SCORER, Score, make_scorer
 from tokenmill.choose.stats import decide, quality
 from tokenmill.cost import MILLION
 from tokenmill.jobs.endpoint import EndpointBackend
@@ -53,7 +53,7 @@ class ChooseConfig:
     candidates: list[Candidate]
     min_quality: float
     clear_by: str = "lower"
-    scorer: str = "label"
+    scorer: str = DEFAULT_SCORER
     schema: dict[str, Any] | None = None  # for the json scorer
     judge: JudgeConfig | None = None  # when scorer == "judge"
     sample: int = 200
@@ -80,9 +80,12 @@ def choose(config: ChooseConfig, console: Console) -> ChooseReport:
     for candidate in config.candidates:
         result = _run(candidate, sample, config, console)
         answers = _read_answers(config.output / CANDIDATES / candidate.name, sample.ids)
-        scores = (judge_scores(config.judge, candidate.name, answers, _prompts(candidate, sample), expected,
-                               config.output, console, config.progress) if config.judge
-                  else _scores(scorer, answers, expected))  # type: ignore[arg-type]
+        if config.judge is not None:
+            scores = judge_scores(config.judge, candidate.name, answers, _prompts(candidate, sample), expected,
+                                  config.output, console, config.progress)
+        else:
+            assert scorer is not None
+            scores = {i: scorer.score(a.text, expected[i], i) for i, a in answers.items() if a.text is not None}
         _fill(result, answers, scores, sample, job, config.output / CANDIDATES / candidate.name)
         results.append(result)
     if config.hardware:
@@ -207,10 +210,6 @@ def _runs(folder: Path) -> Iterator[dict[str, Any]]:
             yield json.loads(line)
         except ValueError:  # torn by a kill mid-append: that run's timing is lost, nothing else
             continue
-
-
-def _scores(scorer: Scorer, answers: dict[str, Answer], expected: dict[str, Any]) -> dict[str, Score]:
-    return {i: scorer.score(a.text, expected[i], i) for i, a in answers.items() if a.text is not None}
 
 
 def _prompts(candidate: Candidate, sample: Sample) -> dict[str, str]:

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 
 SCORERS = ("exact", "label", "json", "regex", "contains", "judge")
+DEFAULT_SCORER = "exact"
 PYTHON_PREFIX = "python:"
 PYTHON_FORMS = "python:MODULE:FUNCTION or python:path/file.py:FUNCTION"
 
