@@ -129,6 +129,7 @@ def test_a_candidate_whose_endpoint_is_down_gets_its_reason_and_the_others_go_on
                   "--candidate", endpoint(stub, "good")) == 1
     rows = by_name(report(out))
     assert rows["dead"]["status"] == "failed" and "endpoint down" in rows["dead"]["reason"]
+    assert rows["dead"]["quality"] is None and rows["dead"]["projected"] is None
     assert rows["good"]["status"] == "done" and rows["good"]["price"]["per_hour"] is None  # no price: unknown
     assert rows["good"]["projected"]["usd"] is None and rows["good"]["quality"]["mean"] == pytest.approx(0.7)
 

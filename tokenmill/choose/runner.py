@@ -247,14 +247,15 @@ def _fill(result: CandidateResult, answers: dict[str, Answer], scores: dict[str,
     result.answered, result.failed = len(answered), sum(a.error is not None for a in answers.values())
     if result.status == DONE and len(answers) < len(sample.ids):
         result.status, result.reason = INCOMPLETE, f"{len(sample.ids) - len(answers)} row(s) not done"
-    result.quality = quality(values)
+    result.quality = quality(values) if answers else None  # nothing ran: no quality to speak of, not 0
     result.notes = dict(notes.most_common())
     for a in answered:
         prompt, _, completion = usage_of(a.body)
         result.prompt_tokens += prompt
         result.output_tokens += completion
-    _measure(result, folder)
-    _project(result, job, [a.custom_id for a in answered], folder)
+    timed = _timed(folder)
+    _measure(result, timed)
+    _project(result, job, [a.custom_id for a in answered], timed)
 
 
 def _timed(folder: Path) -> dict[str, float]:
@@ -265,8 +266,7 @@ def _timed(folder: Path) -> dict[str, float]:
     return dict(total)
 
 
-def _measure(result: CandidateResult, folder: Path) -> None:
-    t = _timed(folder)
+def _measure(result: CandidateResult, t: dict[str, float]) -> None:
     if t.get("wall_s") and t.get("completion_tokens"):
         result.output_tok_s = round(t["completion_tokens"] / t["wall_s"], 2)
     if t.get("prefill_s"):
@@ -277,7 +277,7 @@ def _measure(result: CandidateResult, folder: Path) -> None:
         result.usd_per_m_output = None if usd is None else usd / result.output_tokens * MILLION
 
 
-def _project(result: CandidateResult, job: JobRows, answered: list[str], folder: Path) -> None:
+def _project(result: CandidateResult, job: JobRows, answered: list[str], timed: dict[str, float]) -> None:
     """The whole job: prompt tokens from the file's bytes at the sample's tokens per byte, output
     tokens at the sample's mean per row; time at the measured rates, prefill and decode each
     scaled by its own tokens (their split from the engine; by output tokens for an endpoint)."""
@@ -287,7 +287,7 @@ def _project(result: CandidateResult, job: JobRows, answered: list[str], folder:
     sample_bytes = sum(job.sizes[i] for i in answered)
     prompt = round(result.prompt_tokens * sum(job.sizes.values()) / sample_bytes)
     output = round(result.output_tokens * rows / len(answered))
-    wall = _projected_wall(_timed(folder), prompt, output)
+    wall = _projected_wall(timed, prompt, output)
     result.projected = Projection(rows, prompt, output, wall, result.price.cost(wall, prompt, output))
 
 
