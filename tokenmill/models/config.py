@@ -8,12 +8,27 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+from tokenmill.models.moe import is_moe_layer
+
+# "gemma3" is the multimodal config: its text part (text_config) is what runs.
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma3_text", "gemma3", "mixtral", "qwen2_moe",
+                           "qwen3_moe")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+# Gemma3TextConfig's defaults: a multimodal config's text_config lists only what differs from them.
+_GEMMA3_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0, "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
+}
 
 
 @dataclass
 class ModelConfig:
-    model_type: str
+    model_type: str  # "gemma3" configs are read as "gemma3_text"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -25,12 +40,35 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+    # llama.cpp's per-frequency RoPE divisors (a GGUF file's rope_freqs tensor, Llama 3.1+):
+    # applied instead of rope_scaling when present.
+    rope_freq_factors: list[float] | None = None
+    # RoPE base of the sliding-window layers (Gemma 3), which also skip rope_scaling; None: one
+    # RoPE table for every layer.
+    rope_local_theta: float | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v (Qwen2 always has it)
     mlp_bias: bool = False
+    hidden_act: str = "silu"  # the MLP gate's activation, one of ACTIVATIONS
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
+    # Attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma 3); None: head_dim's.
+    query_pre_attn_scalar: float | None = None
+    # The window every layer attends within (Mistral). None where some layer sees its whole
+    # context: the runner builds each step's masks with this one window.
     sliding_window: int | None = None
+    # Each layer's window (None: whole context) where layers differ (Gemma 3, Qwen with
+    # max_window_layers); empty: every layer uses sliding_window.
+    layer_windows: list[int | None] = field(default_factory=list)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE; models/moe.py); num_experts 0: dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's (Mixtral: intermediate_size)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0: none
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights (Mixtral always does)
+    decoder_sparse_step: int = 1  # every step-th layer is sparse ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... except these
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -39,11 +77,16 @@ class ModelConfig:
             raise ValueError(
                 f"model_type {model_type!r} is not supported; tokenmill runs {SUPPORTED_ARCHITECTURES}"
             )
+        if model_type in ("gemma3", "gemma3_text"):
+            cfg = _gemma3_text(cfg)
+            model_type = "gemma3_text"
         heads = cfg["num_attention_heads"]
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        windows = _layer_windows(cfg)
         eos = cfg.get("eos_token_id")
+        factors, local_theta = cfg.get("rope_freq_factors"), cfg.get("rope_local_base_freq")
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -57,30 +100,134 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=None if rope_type == "default" else rope,
+            rope_freq_factors=None if factors is None else [float(f) for f in factors],
+            rope_local_theta=None if local_theta is None else float(local_theta),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
+            attention_bias=model_type in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias", False)),
             mlp_bias=cfg.get("mlp_bias", False),
-            sliding_window=_sliding_window(cfg),
+            hidden_act=_activation(cfg),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            sliding_window=windows[0] if len(set(windows)) == 1 else None,
+            layer_windows=windows,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+            **_moe_fields(cfg),
         )
 
+    @property
+    def is_gemma3(self) -> bool:
+        """Gemma 3's layout: scaled embeddings, (1 + w) norms, four norms per layer."""
+        return self.model_type == "gemma3_text"
+
+    def layer_window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Gemma 3's sliding-window layers rotate with their own, unscaled, RoPE table."""
+        return self.rope_local_theta is not None and self.layer_window(layer) is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return is_moe_layer(layer, self.num_experts, self.decoder_sparse_step, self.mlp_only_layers)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        # Every layer caches the same num_key_value_heads x head_dim (true of Gemma 3 too).
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
 
 
-def _sliding_window(cfg: dict[str, Any]) -> int | None:
-    if cfg.get("model_type") == "qwen2" and not cfg.get("use_sliding_window", False):
-        return None
-    window = cfg.get("sliding_window")
-    return int(window) if window else None
+def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts settings, under transformers' names for each family."""
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if not experts:
+        return {}
+    mixtral = cfg.get("model_type") == "mixtral"
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": cfg["num_experts_per_tok"],
+        "moe_intermediate_size": cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+        "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size") or 0,
+        "norm_topk_prob": True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+        "decoder_sparse_step": cfg.get("decoder_sparse_step") or 1,
+        "mlp_only_layers": list(cfg.get("mlp_only_layers") or []),
+    }
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies (fp32, computed as transformers does), with Llama-3 or linear
-    scaling applied."""
+def _activation(cfg: dict[str, Any]) -> str:
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if act not in ACTIVATIONS:
+        raise ValueError(f"MLP activation {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    return act
+
+
+def _layer_windows(cfg: dict[str, Any]) -> list[int | None]:
+    """Each layer's sliding window (None: it attends to its whole context), as transformers decides."""
+    layers, model_type = cfg["num_hidden_layers"], cfg.get("model_type")
+    window = int(cfg["sliding_window"]) if cfg.get("sliding_window") else None
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        window = window if cfg.get("use_sliding_window", False) else None
+        # Only the layers from max_window_layers on slide.
+        first = cfg.get("max_window_layers", 28)
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= first else "full_attention" for i in range(layers)
+        ]
+    elif model_type == "gemma3_text":
+        types = cfg["layer_types"]
+    else:  # llama, mistral: every layer alike
+        return [window] * layers
+    if len(types) != layers:
+        raise ValueError(f"layer_types lists {len(types)} layers, the model has {layers}")
+    return [window if kind == "sliding_attention" else None for kind in types]
+
+
+def _gemma3_text(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 3 config in the flat shape from_hf reads: the text part of a multimodal config,
+    Gemma3TextConfig's defaults filled in, RoPE split into the full-attention layers' parameters
+    and the sliding layers' base, and layer_types derived where absent."""
+    if cfg.get("model_type") == "gemma3":
+        # The loader puts generation_config.json's EOS ids at the top level: they win.
+        top = ("eos_token_id", "bos_token_id", "tie_word_embeddings")
+        cfg = {**(cfg.get("text_config") or {}), **{k: cfg[k] for k in top if cfg.get(k) is not None}}
+    cfg = {**cfg, "model_type": "gemma3_text"}
+    for key, default in _GEMMA3_DEFAULTS.items():
+        if cfg.get(key) is None:
+            cfg[key] = default
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ValueError(f"Gemma config sets {key}: logit softcapping (Gemma 2) is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("Gemma config sets use_bidirectional_attention (an embedding model): not supported")
+    per_kind = cfg.get("rope_parameters") or {}
+    if "full_attention" in per_kind:  # transformers 5 writes RoPE parameters per layer kind
+        full = {"rope_theta": cfg["rope_theta"], **(per_kind["full_attention"] or {})}
+        local = per_kind.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"Gemma sliding-layer RoPE {local['rope_type']!r} is not supported (only default)")
+        cfg["rope_parameters"] = full
+        cfg["rope_local_base_freq"] = local.get("rope_theta", cfg["rope_local_base_freq"])
+    if not cfg.get("layer_types"):  # every pattern-th layer attends globally
+        pattern = cfg["sliding_window_pattern"]
+        cfg["layer_types"] = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(cfg["num_hidden_layers"])
+        ]
+    return cfg
+
+
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse RoPE frequencies (fp32, computed as transformers does). `local`: the table of
+    Gemma 3's sliding layers, base rope_local_theta and never scaled. Otherwise llama.cpp's
+    per-frequency divisors where a GGUF file gave them, else Llama-3 or linear scaling."""
     dim = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    theta = config.rope_local_theta if local else config.rope_theta
+    assert theta is not None, "no local RoPE base in this config"
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if local:
+        return inv
+    if config.rope_freq_factors is not None:
+        factors = torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+        if factors.shape != inv.shape:
+            raise ValueError(f"{factors.numel()} rope_freq_factors for {inv.numel()} RoPE frequencies")
+        return inv / factors  # what llama.cpp does with them
     scaling = config.rope_scaling
     if not scaling:
         return inv

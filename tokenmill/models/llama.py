@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Qwen2, Mistral, SmolLM) written for a paged KV cache.
+"""A Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, SmolLM, Gemma 3) written for a paged KV cache.
 
 Read top to bottom: the step's tokens arrive flattened (no batch padding in the linear
 layers); each layer writes its new K/V into cache slots, then attends per request group over
@@ -8,13 +8,16 @@ safetensors checkpoint loads as is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.models.config import ModelConfig, rope_inv_freq
+from tokenmill.models.moe import SparseMoE
 from tokenmill.models.paged_attention import paged_decode_attention
 
 
@@ -26,11 +29,15 @@ class AttentionGroup:
     query_valid: torch.Tensor  # [G, Lq] bool
     context_blocks: torch.Tensor  # [G, NB] block tables (padding: the zeroed null block)
     context_lens: torch.Tensor  # [G] keys at positions < len are context
-    # [G, 1, group*Lq, NB*block_size] bool, repeated for the query-head group; None when the
-    # group is decodes attended by the paged kernel, which reads context_lens instead.
+    # [G, 1, group*Lq, NB*block_size] bool, repeated for the query-head group: causal, within
+    # the context and ModelConfig.sliding_window. None when the group is decodes attended by
+    # the paged kernel, which reads context_lens instead.
     mask: torch.Tensor | None
     output_rows: torch.Tensor  # query_index[query_valid]
     covers_batch: bool = False  # the group is every row of the batch, in order (pure decode)
+    # `mask` narrowed to each layer window it does not carry (Gemma 3's sliding layers), keyed by
+    # window; filled by CausalLM.forward.
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -39,18 +46,38 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
 
 
+def narrow_to_window(g: AttentionGroup, window: int, query_group: int) -> torch.Tensor:
+    """g.mask keeping only the keys less than `window` positions behind their query
+    (transformers' `k > q - window`); padded query rows stay as they were (no all-False rows)."""
+    assert g.mask is not None
+    lq = g.query_valid.shape[1]
+    device = g.query_valid.device
+    q_pos = (g.context_lens - g.query_valid.sum(1))[:, None] + torch.arange(lq, device=device)
+    k_pos = torch.arange(g.mask.shape[-1], device=device)
+    in_window = (k_pos[None, None, :] > q_pos[:, :, None] - window) | ~g.query_valid[:, :, None]
+    return g.mask & in_window.repeat(1, query_group, 1)[:, None]  # rows ordered (head in group, query)
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """`unit_offset` (Gemma): the scale is 1 + weight, added in fp32 at every call as transformers
+    does. Folding 1 + w into the stored weight at load time would round it to the model dtype
+    (in bf16, to steps of 1/128 around 1), so the checkpoint's w is kept as is."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            scale = 1.0 + self.weight if self.unit_offset else self.weight
+            return F.rms_norm(x, (x.shape[-1],), scale, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        if self.unit_offset:  # Gemma scales in fp32, then casts
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)  # Llama casts, then scales
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -61,16 +88,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, sliding_window: int | None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.group = self.num_heads // self.num_kv_heads
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = sliding_window  # this layer's: Gemma 3 mixes sliding and global layers
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # q, k and v in one GEMM (see fuse_projections): fewer, larger matmuls per step.
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
+        # Qwen2's attention_bias is on q/k/v only; the other families bias o_proj with it too.
+        o_bias = cfg.attention_bias and cfg.model_type not in ("qwen2", "qwen2_moe")
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.qk_norm:  # Qwen3, Gemma 3: each head of q and k normalised before RoPE
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, unit_offset=cfg.is_gemma3)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, unit_offset=cfg.is_gemma3)
+        # The paged kernel and SDPA scale scores by 1/sqrt(head_dim). Gemma 3 wants
+        # 1/sqrt(query_pre_attn_scalar): q is pre-multiplied by the ratio so both stay as they are.
+        scalar = cfg.query_pre_attn_scalar
+        self.q_scale = 1.0 if scalar is None else (self.head_dim / scalar) ** 0.5
 
     def forward(
         self,
@@ -82,10 +120,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(tokens, -1, self.head_dim)
+        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
         # q and k heads sit side by side: rotate them in one go.
-        qk = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.num_heads + self.num_kv_heads :]
+        q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         k_cache, v_cache = kv_cache  # [blocks, block_size, kv_heads, head_dim]
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
@@ -114,9 +155,17 @@ class Attention(nn.Module):
         blocks = g.context_blocks.flatten()
         kg = k_cache.index_select(0, blocks).view(n, -1, kvh, d).transpose(1, 2)  # [G, KVH, Lk, D]
         vg = v_cache.index_select(0, blocks).view(n, -1, kvh, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask)
+        # A window the group's mask does not carry has its own, narrowed one.
+        mask = g.window_masks.get(self.sliding_window, g.mask) if self.sliding_window else g.mask
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask)
         o = o.view(n, kvh, grp, lq, d).permute(0, 3, 1, 2, 4).reshape(n, lq, kvh * grp, d)
         return o.view(n, kvh * grp, d) if g.covers_batch else o[g.query_valid]
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),  # Gemma
+}
 
 
 class MLP(nn.Module):
@@ -124,31 +173,57 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, cfg.layer_window(layer))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = SparseMoE(
+            cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+            cfg.norm_topk_prob, cfg.shared_expert_intermediate_size,
+        ) if cfg.is_moe_layer(layer) else MLP(cfg)
+        self.local_rope = cfg.uses_local_rope(layer)
 
     def forward(self, x, cos, sin, kv_cache, meta):  # type: ignore[no-untyped-def]
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class Gemma3DecoderLayer(nn.Module):
+    """Gemma 3 also normalises each sublayer's output, before its residual add: four norms.
+    (post_attention_layernorm is the attention output's norm here, not the MLP input's.)"""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        norm = partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
+        self.input_layernorm = norm()
+        self.self_attn = Attention(cfg, cfg.layer_window(layer))
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm()
+        self.mlp = MLP(cfg)
+        self.post_feedforward_layernorm = norm()
+        self.local_rope = cfg.uses_local_rope(layer)
+
+    def forward(self, x, cos, sin, kv_cache, meta):  # type: ignore[no-untyped-def]
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        layer_type = Gemma3DecoderLayer if cfg.is_gemma3 else DecoderLayer
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(layer_type(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=cfg.is_gemma3)
 
 
 _FUSED = {
@@ -178,6 +253,8 @@ def fuse_projections(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 class CausalLM(nn.Module):
     rope_cos: torch.Tensor  # [max_positions, head_dim], set by init_rope
     rope_sin: torch.Tensor
+    rope_local_cos: torch.Tensor  # the sliding layers' table, where they have their own (Gemma 3)
+    rope_local_sin: torch.Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -186,13 +263,21 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Layer windows the runner's masks do not carry (it applies cfg.sliding_window only).
+        windows = {cfg.layer_window(i) for i in range(cfg.num_hidden_layers)}
+        self.narrowed_windows = sorted(w for w in windows - {cfg.sliding_window} if w is not None)
 
     def init_rope(self, max_positions: int) -> None:
         """cos/sin tables for every position (built after weights load: they are not weights)."""
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(self.config))
+        self._register_rope("rope", rope_inv_freq(self.config), max_positions)
+        if self.config.rope_local_theta is not None:
+            self._register_rope("rope_local", rope_inv_freq(self.config, local=True), max_positions)
+
+    def _register_rope(self, name: str, inv_freq: torch.Tensor, max_positions: int) -> None:
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("rope_cos", angles.cos(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        self.register_buffer(f"{name}_cos", angles.cos(), persistent=False)
+        self.register_buffer(f"{name}_sin", angles.sin(), persistent=False)
 
     @torch.inference_mode()
     def forward(
@@ -204,8 +289,22 @@ class CausalLM(nn.Module):
         logits_rows: torch.Tensor,  # [S] rows whose next-token logits are wanted
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        cos = self.rope_cos[positions].to(x.dtype)
-        sin = self.rope_sin[positions].to(x.dtype)
+        if self.config.is_gemma3:  # by sqrt(hidden_size), first rounded to the dtype as transformers does
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        rope = self._rope("rope", positions, x.dtype)
+        local_rope = self._rope("rope_local", positions, x.dtype) if self.config.rope_local_theta is not None else rope
+        self._add_window_masks(meta)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            cos, sin = local_rope if layer.local_rope else rope
             x = layer(x, cos, sin, kv_cache, meta)
         return self.lm_head(self.model.norm(x[logits_rows])).float()
+
+    def _rope(self, name: str, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, f"{name}_cos")[positions].to(dtype), getattr(self, f"{name}_sin")[positions].to(dtype)
+
+    def _add_window_masks(self, meta: AttentionMetadata) -> None:
+        """Each group's mask narrowed to the layer windows it does not carry, once per step."""
+        query_group = self.config.num_attention_heads // self.config.num_key_value_heads
+        for g in meta.groups:
+            if g.mask is not None:
+                g.window_masks = {w: narrow_to_window(g, w, query_group) for w in self.narrowed_windows}

@@ -8,17 +8,30 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tokenmill.environment import cache_root, embedded_model_path
-from tokenmill.models.config import ModelConfig
+from tokenmill.environment import NAMED_MODELS, cache_root, embedded_model_path, named_model_path
+from tokenmill.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from tokenmill.models.gguf_file import read_gguf
 
 log = logging.getLogger(__name__)
+
+_INDEX = "model.safetensors.index.json"
+# Config, generation config, shard index, tokenizer and chat template: what the weights need beside them.
+_HUB_METADATA = ["*.json", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+# Mistral's own format (original/, consolidated*, params.json) duplicates the HF weights; never read here.
+_HUB_IGNORE = ["original/*", "consolidated*", "params.json"]
+_GENERATING_HEADS = ("ForCausalLM", "ForConditionalGeneration")
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+_LOW_PRECISION_DTYPES = {"F8_E4M3": "FP8", "F8_E5M2": "FP8", "F8_E8M0": "FP8", "F6_E2M3": "FP6",
+                         "F6_E3M2": "FP6", "F4": "FP4"}
+_RUNS = "tokenmill runs fp32/bf16/fp16 safetensors and GGUF files (use the unquantised model)"
 
 
 @dataclass
@@ -29,16 +42,18 @@ class LoadedWeights:
     tokenizer: Any  # a transformers tokenizer, or None when the source has none
 
 
-def load_weights(model: str | None, tokenizer: str | None = None) -> LoadedWeights:
-    path = embedded_model_path() if model is None else Path(model).expanduser()
+def load_weights(model: str | None, tokenizer: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedWeights:
+    """`dtype`: the state dict's. Pass the engine's: safetensors weights are converted to it tensor
+    by tensor as they are read, so no whole second copy in another dtype is ever held."""
+    path = model_path(model)
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, tokenizer)
+        return _load_gguf(path, tokenizer, dtype)
     if path.is_dir():
-        return _load_folder(path, tokenizer)
+        return _load_folder(path, tokenizer, dtype)
     if path.exists():
         raise ValueError(f"model {model!r} is neither a .gguf file nor a model folder")
     if model is not None and _looks_like_hub_id(model):
-        return _load_folder(_download_from_hub(model), tokenizer)
+        return _load_folder(_download_from_hub(model), tokenizer, dtype)
     raise FileNotFoundError(f"model {model!r} not found: give a .gguf file, a folder or a hub id")
 
 
@@ -48,18 +63,43 @@ def _looks_like_hub_id(name: str) -> bool:
 
 
 def _download_from_hub(repo_id: str) -> Path:
+    """Config and tokenizer first, then only the weight files the folder loader will read: a model
+    we would refuse costs no weight download."""
+    folder = _snapshot(repo_id, _HUB_METADATA)
+    _refuse_unrunnable(_read_config(folder), folder)
+    # The snapshot folder is named by its commit: the weights must come from that same commit.
+    commit = folder.name if re.fullmatch(r"[0-9a-f]{40}", folder.name) else None
+    return _snapshot(repo_id, _hub_weight_patterns(folder), revision=commit)
+
+
+def _snapshot(repo_id: str, allow_patterns: list[str], revision: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns,
+                                      ignore_patterns=_HUB_IGNORE))
     except Exception as exc:  # offline, unknown repo, gated...
         raise FileNotFoundError(
             f"model {repo_id!r} is not a local path and could not be fetched from the hub: {exc}"
         ) from exc
 
 
-def _load_folder(folder: Path, tokenizer: str | None) -> LoadedWeights:
+def _hub_weight_patterns(folder: Path) -> list[str]:
+    index = folder / _INDEX
+    return sorted(_index_shards(index)) if index.is_file() else ["model*.safetensors"]
+
+
+def _load_folder(folder: Path, tokenizer: str | None, dtype: torch.dtype) -> LoadedWeights:
+    cfg = _read_config(folder)
+    _refuse_unrunnable(cfg, folder)
+    files = _weight_files(folder)
+    _refuse_quantised_tensors(files)
+    config = ModelConfig.from_hf(cfg)
+    state_dict = _read_tensors(files, dtype)
+    return LoadedWeights(str(folder), config, state_dict, _load_tokenizer(tokenizer or str(folder)))
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{folder}: no config.json (not a Hugging Face model folder)")
@@ -69,24 +109,131 @@ def _load_folder(folder: Path, tokenizer: str | None) -> LoadedWeights:
         # generation_config.json often lists more EOS ids than config.json (e.g. Llama 3).
         gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
         cfg["eos_token_id"] = gen_eos if gen_eos is not None else cfg.get("eos_token_id")
-    config = ModelConfig.from_hf(cfg)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no *.safetensors weights")
-    from safetensors.torch import load_file
+    return cfg
 
+
+def _refuse_unrunnable(cfg: dict[str, Any], folder: Path) -> None:
+    """What config.json alone rules out, refused before any weights are read or downloaded
+    (otherwise it surfaces later as a puzzling "weights do not match")."""
+    _refuse_architecture(cfg, folder)
+    _refuse_quantisation_config(cfg, folder)
+
+
+def _refuse_architecture(cfg: dict[str, Any], folder: Path) -> None:
+    model_type = cfg.get("model_type")
+    architectures = cfg.get("architectures") or []
+    runs = ", ".join(SUPPORTED_ARCHITECTURES)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{folder}: model_type {model_type!r} (architectures {architectures}) is not supported; "
+                         f"tokenmill runs {runs}")
+    # A supported family with another head (a classifier, a bare encoder) has no lm_head to generate
+    # with. *ForConditionalGeneration: a multimodal checkpoint whose text model runs alone (Gemma 3).
+    for name in architectures:
+        if not name.endswith(_GENERATING_HEADS):
+            raise ValueError(f"{folder}: architectures entry {name!r} does not generate text; tokenmill runs "
+                             f"the {' / '.join('*' + h for h in _GENERATING_HEADS)} checkpoints of {runs}")
+
+
+def _refuse_quantisation_config(cfg: dict[str, Any], folder: Path) -> None:
+    # Multimodal configs keep the language model's settings in text_config.
+    for holder in (cfg, cfg.get("text_config") or {}):
+        for key in ("quantization_config", "compression_config"):  # compression_config: older compressed-tensors
+            quant = holder.get(key)
+            if quant:
+                method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+                raise ValueError(f"{folder}: quantised checkpoint (quant_method {method!r} in config.json {key}); "
+                                 f"{_RUNS}")
+    if (folder / "quantize_config.json").is_file():  # AutoGPTQ's, from before quantization_config
+        raise ValueError(f"{folder}: quantised checkpoint (gptq: AutoGPTQ's quantize_config.json); {_RUNS}")
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The index's shards when there is one, else every *.safetensors file except Mistral's own
+    format (consolidated*.safetensors: the same weights under other names, never read here)."""
+    index = folder / _INDEX
+    if index.is_file():
+        shards = sorted(_index_shards(index))
+        missing = [name for name in shards if not (folder / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{folder}: shard(s) {', '.join(missing)} listed in {_INDEX} are missing")
+        return [folder / name for name in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    hf_files = [f for f in files if not f.name.startswith("consolidated")]
+    if files and not hf_files:
+        raise ValueError(f"{folder}: only Mistral-format consolidated*.safetensors weights; tokenmill reads "
+                         "Hugging Face-format model*.safetensors")
+    if not hf_files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weights")
+    return hf_files
+
+
+def _index_shards(index: Path) -> set[str]:
+    weight_map = json.loads(index.read_text()).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index}: no weight_map")
+    return set(weight_map.values())
+
+
+def _refuse_quantised_tensors(files: list[Path]) -> None:
+    """FP8/FP4 or integer weight matrices, quantised without a quantization_config to say so."""
+    for file in files:
+        for name, dtype in _header_dtypes(file).items():
+            if dtype in _LOW_PRECISION_DTYPES:
+                method = _LOW_PRECISION_DTYPES[dtype]
+                raise ValueError(f"{file}: quantised checkpoint ({method}: tensor {name!r} is {dtype}); {_RUNS}")
+            if dtype not in _FLOAT_DTYPES and name.endswith("weight"):  # GPTQ/AWQ qweight too
+                raise ValueError(f"{file}: quantised checkpoint (integer weights: tensor {name!r} is {dtype}); {_RUNS}")
+
+
+def _header_dtypes(file: Path) -> dict[str, str]:
+    """Each tensor's dtype from the file's JSON header (an 8-byte length, then the JSON), so the
+    check reads no tensor data."""
+    try:
+        with file.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        return {name: info["dtype"] for name, info in header.items() if name != "__metadata__"}
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{file}: not a safetensors file ({exc!r})") from exc
+
+
+def _read_tensors(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    # One tensor at a time, converted as it is read, so the file's own copy of the weights never
+    # exists beside the converted one: peak host memory stays near the final weights.
     state_dict: dict[str, torch.Tensor] = {}
     for file in files:
-        state_dict.update(load_file(str(file)))
-    return LoadedWeights(str(folder), config, state_dict, _load_tokenizer(tokenizer or str(folder)))
+        with _open_safetensors(file) as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                state_dict[name] = f.get_tensor(name).to(dtype)
+    return state_dict
+
+
+def _open_safetensors(file: Path) -> Any:
+    from safetensors import safe_open
+
+    try:
+        # pread copies each tensor into its own buffer; the default mmap leaves every page read
+        # resident (counted against the process) until the file is closed.
+        return safe_open(str(file), framework="pt", backend="pread")
+    except TypeError:  # older safetensors have no backend argument (mmap only)
+        return safe_open(str(file), framework="pt")
 
 
 def load_tokenizer(source: str | None) -> Any:
     """A tokenizer on its own: from a .gguf file (None: the embedded model's), a Hugging Face
     folder or a hub id; None (with a warning) when there is none."""
-    if source is None or source.endswith(".gguf"):
-        return _cached_gguf_tokenizer(Path(source) if source else embedded_model_path())
+    if source is None or source in NAMED_MODELS or source.endswith(".gguf"):
+        return _cached_gguf_tokenizer(model_path(source))
     return _load_tokenizer(source)
+
+
+def model_path(model: str | None) -> Path:
+    """--model as a path: None is the embedded default; a named model (`gemma3-270m`) is the file
+    its package installed, unless a file or folder of that name exists here."""
+    if model is None:
+        return embedded_model_path()
+    path = Path(model).expanduser()
+    return named_model_path(model) if model in NAMED_MODELS and not path.exists() else path
 
 
 def _load_tokenizer(source: str, gguf_file: str | None = None) -> Any:
@@ -99,8 +246,9 @@ def _load_tokenizer(source: str, gguf_file: str | None = None) -> Any:
         return None
 
 
-def _load_gguf(path: Path, tokenizer: str | None) -> LoadedWeights:
-    cfg, state_dict = read_gguf(path)
+def _load_gguf(path: Path, tokenizer: str | None, dtype: torch.dtype) -> LoadedWeights:
+    cfg, state_dict = read_gguf(path)  # fp32, dequantised
+    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
     tok = _load_tokenizer(tokenizer) if tokenizer else _cached_gguf_tokenizer(path)
     return LoadedWeights(str(path), ModelConfig.from_hf(cfg), state_dict, tok)
 
