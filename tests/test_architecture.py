@@ -12,12 +12,13 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "tokenmill"
 
 # Each part of tokenmill/ and the parts it may import (besides itself). Arrows only point down:
-# serve, choose → jobs → openai_compat → engine, bench → models, plan → cost, environment.
+# serve, choose → jobs → openai_compat → engine, bench → models, plan → cost, environment, gguf_header.
 LAYERS: dict[str, set[str]] = {
     "cost": set(),
     "environment": set(),
-    "plan": {"cost", "environment"},
-    "models": {"environment"},
+    "gguf_header": set(),
+    "plan": {"cost", "environment", "gguf_header"},
+    "models": {"environment", "gguf_header"},
     "engine": {"models", "cost", "environment"},
     "bench": {"engine", "models", "plan", "cost", "environment"},
     "openai_compat": {"engine"},

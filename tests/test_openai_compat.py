@@ -63,6 +63,7 @@ def test_body_fields_become_sampling_params() -> None:
     ({"stop": ["x"] * 17}, "stop", "at most 16 non-empty strings"),
     ({"stop": [""]}, "stop", "at most 16 non-empty strings"),
     ({"stop_token_ids": ["1"]}, "stop_token_ids", "must be a list of token ids"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs", "must be an object"),
 ])
 def test_refusals_name_the_field(body: dict[str, Any], param: str, words: str) -> None:
     with pytest.raises(RequestError) as exc:
@@ -72,7 +73,9 @@ def test_refusals_name_the_field(body: dict[str, Any], param: str, words: str) -
 
 def test_chat_goes_through_the_template_and_a_broken_one_is_a_request_error() -> None:
     class Model:
-        def chat_token_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        def chat_token_ids(self, messages: list[dict[str, str]], template_kwargs: Any = None) -> list[int]:
+            if template_kwargs:
+                return [-1, *template_kwargs.values()]
             if messages[0]["role"] == "assistant":
                 raise TypeError("the template wants a user first")
             return [len(m["content"]) for m in messages]
@@ -80,6 +83,8 @@ def test_chat_goes_through_the_template_and_a_broken_one_is_a_request_error() ->
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "c"}]}]}
     prompt, _ = engine_inputs(CHAT_URL, parts, Model())  # type: ignore[arg-type]
     assert prompt == {"prompt_token_ids": [3]}  # text parts joined
+    with_kwargs = {**parts, "chat_template_kwargs": {"enable_thinking": 7}}
+    assert engine_inputs(CHAT_URL, with_kwargs, Model())[0] == {"prompt_token_ids": [-1, 7]}  # type: ignore[arg-type]
     assert engine_inputs(COMPLETIONS_URL, {"prompt": "x"}, Model())[0] == "x"  # type: ignore[arg-type]
     with pytest.raises(RequestError, match="cannot build the prompt") as exc:
         engine_inputs(CHAT_URL, {"messages": [{"role": "assistant", "content": "x"}]}, Model())  # type: ignore[arg-type]

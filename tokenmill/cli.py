@@ -11,6 +11,8 @@ import sys
 _SUBCOMMANDS = {
     "generate": ("engine", "generate for a few prompts and report speed"),
     "plan": ("plan", "predict throughput, batch limits and cost on hardware"),
+    "info": ("models", "what a model file or folder is: family, parameters, dtype, context, KV bytes/token, "
+                       "whether tokenmill runs it"),
     "run": ("jobs", "run a batch job: JSONL in, OpenAI batch output out, resumable"),
     "serve": ("serve", "an OpenAI-compatible server (completions, chat, Batch API, metrics)"),
     "bench": ("bench", "benchmark throughput, latency and cost (`bench compare` files)"),

@@ -85,6 +85,15 @@ def check_request(url: str, body: dict[str, Any]) -> None:
         raise RequestError(f"body.n = {n}: the embedded engine returns one choice per request", "n")
     if url == CHAT_URL:
         chat_messages(body["messages"])
+        template_kwargs(body)
+
+
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
+    """vLLM's chat_template_kwargs: variables for the chat template (e.g. enable_thinking)."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+        raise RequestError(f"body.chat_template_kwargs must be an object, got {_show(kwargs)}", "chat_template_kwargs")
+    return kwargs
 
 
 def check_fields(body: dict[str, Any]) -> None:
@@ -326,7 +335,7 @@ def engine_inputs(url: str, body: dict[str, Any], llm: LLM) -> tuple[Prompt, Sam
     if url != CHAT_URL:
         return body["prompt"], params
     try:
-        ids = llm.chat_token_ids(chat_messages(body["messages"]))
+        ids = llm.chat_token_ids(chat_messages(body["messages"]), template_kwargs(body))
     except (TemplateError, TypeError) as exc:
         raise RequestError(f"cannot build the prompt: {exc}", "messages") from None
     return {"prompt_token_ids": ids}, params

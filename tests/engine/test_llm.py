@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.engine import chat_prompt_ids
 from tokenmill.models.loader import LoadedWeights
 
 
@@ -28,6 +31,24 @@ def test_chat_applies_the_template_and_stops_at_eos(llm: LLM) -> None:
     assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids
     assert "4" in out.text and "<|im_end|>" not in out.text
     assert "<|im_start|>assistant" in llm.tokenizer.decode(out.prompt_token_ids)
+
+
+# Qwen3's switch, as its chat template has it.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+)
+
+
+def test_a_thinking_template_does_not_think_unless_asked(llm: LLM) -> None:
+    tok = copy.deepcopy(llm.tokenizer)
+    tok.chat_template = THINKING_TEMPLATE
+    messages = [{"role": "user", "content": "Is 7 prime?"}]
+    assert tok.decode(chat_prompt_ids(tok, messages)).endswith("<|assistant|><think>\n\n</think>\n\n")
+    assert tok.decode(chat_prompt_ids(tok, messages, {"enable_thinking": True})).endswith("<|assistant|>")
+    # Plain templates ignore the variable.
+    thinking = {"enable_thinking": True}
+    assert chat_prompt_ids(llm.tokenizer, messages) == chat_prompt_ids(llm.tokenizer, messages, thinking)
 
 
 def test_stop_strings_cut_the_text_and_name_the_reason(llm: LLM) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tests.reference import ReferenceCache, assert_matches_reference
 from tokenmill import LLM, SamplingParams
-from tokenmill.models.config import ModelConfig, rope_inv_freq
+from tokenmill.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from tokenmill.models.loader import LoadedWeights, load_weights
 
 MAX_NEW = 12
@@ -82,8 +83,13 @@ def _tiny_config(arch: str):  # type: ignore[no-untyped-def]
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
         }, rope_theta=10000.0)
-    if arch == "qwen2":  # QKV bias
-        return Qwen2Config(**TINY)
+    if arch == "qwen2":  # QKV bias, YaRN (Qwen2.5's long context), in the older config.json shape
+        return Qwen2Config(**TINY, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    if arch == "phi3":
+        # Fused qkv/gate_up checkpoints, half of each head rotated, longrope's short factors and
+        # attention factor (the pretraining length is the whole context; the long factors are
+        # tested on their own below).
+        return _phi3_config(original_context=TINY["max_position_embeddings"], attention_factor=1.2)
     if arch == "qwen3":  # q/k norms; the second layer slides (max_window_layers), the first does not
         return Qwen3Config(**TINY, head_dim=16, use_sliding_window=True, sliding_window=12, max_window_layers=1)
     if arch == "gemma3":
@@ -114,11 +120,24 @@ def _tiny_config(arch: str):  # type: ignore[no-untyped-def]
     return MistralConfig(**TINY, sliding_window=24, head_dim=16)  # window shorter than prompts
 
 
-def _tiny_model(arch: str) -> torch.nn.Module:
+def _phi3_config(original_context: int, attention_factor: float | None = None, partial: float = 0.5):  # type: ignore[no-untyped-def]
+    from transformers import Phi3Config
+
+    pairs = int(TINY["hidden_size"] // TINY["num_attention_heads"] * partial) // 2
+    rope = {"type": "longrope", "short_factor": [1.0 + i / 2 for i in range(pairs)],
+            "long_factor": [3.0 + 2 * i for i in range(pairs)]}
+    if attention_factor is not None:
+        rope["attention_factor"] = attention_factor
+    return Phi3Config(**TINY, partial_rotary_factor=partial, original_max_position_embeddings=original_context,
+                      rope_scaling=rope, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+
+
+def _tiny_model(arch: Any) -> torch.nn.Module:
+    """`arch`: a name _tiny_config knows, or a transformers config."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = _tiny_config(arch)
+    config = _tiny_config(arch) if isinstance(arch, str) else arch
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config).eval()
     if arch in ("qwen3", "gemma3"):
@@ -131,8 +150,8 @@ def _tiny_model(arch: str) -> torch.nn.Module:
     return model
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "qwen3", "gemma3", "mixtral", "qwen2_moe",
-                                        "qwen3_moe"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3", "mixtral",
+                                        "qwen2_moe", "qwen3_moe"])
 def tiny_model(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:  # type: ignore[no-untyped-def]
     model = _tiny_model(request.param)
     folder = tmp_path_factory.mktemp(request.param)
@@ -225,6 +244,47 @@ def test_rope_freq_factors_divide_the_frequencies_instead_of_rope_scaling() -> N
     torch.testing.assert_close(rope_inv_freq(scaled), plain / torch.tensor(factors))
     with pytest.raises(ValueError, match="rope_freq_factors"):
         rope_inv_freq(ModelConfig.from_hf({**base, "rope_freq_factors": factors[:3]}))
+
+
+def test_phi3_longrope_uses_long_factors_when_the_context_passes_the_pretraining_length(tmp_path: Path) -> None:
+    """Long factors and the attention factor from max_position_embeddings / the pretraining
+    length: against transformers on prompts longer than that length (where it switches to the
+    long factors), and the short factors when the engine's context stays within it."""
+    model = _tiny_model(_phi3_config(original_context=16, partial=0.75))
+    model.save_pretrained(tmp_path)
+    weights, ref = load_weights(str(tmp_path)), ReferenceCache(model)
+    assert weights.config.rotary_dim == 12
+    _check(LLM(weights=weights, block_size=4), ref, _prompts(512, [17, 40, 23], seed=7), "long factors")
+    short = LLM(weights=weights, block_size=4, max_model_len=16)
+    outs = short.generate([{"prompt_token_ids": p} for p in _prompts(512, [4], seed=8)], GREEDY, progress=False)
+    assert_matches_reference(outs[0].token_ids, ref(outs[0].prompt_token_ids, MAX_NEW), "short factors")
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16, "beta_slow": 2,
+     "mscale": 0.7, "mscale_all_dim": 0.5, "truncate": False},
+    {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128, "attention_factor": 0.9},
+    {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [2.0, 3.0, 5.0, 9.0],
+     "original_max_position_embeddings": 64},
+    {"rope_type": "linear", "factor": 3.0},
+], ids=["yarn", "yarn-mscale-untruncated", "yarn-attention-factor", "longrope", "linear"])
+def test_rope_scaling_equals_transformers(rope: dict[str, Any]) -> None:
+    """Frequencies (short and long) and attention factor, against transformers' own functions."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = LlamaConfig(**TINY, rope_parameters={**rope, "rope_theta": 5000.0, "partial_rotary_factor": 0.5})
+    cfg = ModelConfig.from_hf(hf.to_dict())
+    for context in (None, 256):
+        inv, factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, None, seq_len=context)
+        torch.testing.assert_close(rope_inv_freq(cfg, context_len=context), inv, rtol=0, atol=0)
+        assert rope_attention_factor(cfg) == pytest.approx(factor, rel=1e-12)
+
+
+def test_unsupported_rope_scaling_is_refused_when_the_config_is_read() -> None:
+    with pytest.raises(ValueError, match="'dynamic' is not supported"):
+        ModelConfig.from_hf({**TINY, "model_type": "llama", "rope_scaling": {"type": "dynamic", "factor": 2.0}})
 
 
 @pytest.mark.slow

@@ -129,8 +129,9 @@ def _row_ids(row: dict[str, Any], tokenizer: Any, path: Path) -> list[int]:
     if "prompt_token_ids" in row:
         return [int(t) for t in row["prompt_token_ids"]]
     if "messages" in row:
-        text = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        from tokenmill.engine import chat_prompt_ids  # here: endpoint benchmarks need no torch
+
+        return chat_prompt_ids(tokenizer, row["messages"], row.get("chat_template_kwargs"))
     if "prompt" in row:
         return list(tokenizer.encode(str(row["prompt"])))
     raise ValueError(f"prompts: each line of {path} needs 'prompt', 'messages' or 'prompt_token_ids'")

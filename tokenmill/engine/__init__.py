@@ -5,13 +5,14 @@ command-line flags); the scheduler, block manager and runner stay inside.
 """
 
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.llm import LLM
+from tokenmill.engine.llm import DEFAULT_CHAT_TEMPLATE_KWARGS, LLM, chat_prompt_ids
 from tokenmill.engine.llm_engine import EngineRequest, LLMEngine, Prompt
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutputsParams
 from tokenmill.engine.scheduler import SchedulerMetrics, SchedulerStats
 
 __all__ = [
+    "DEFAULT_CHAT_TEMPLATE_KWARGS",
     "DEFAULT_MAX_TOKENS",
     "LLM",
     "EngineConfig",
@@ -23,4 +24,5 @@ __all__ = [
     "SchedulerMetrics",
     "SchedulerStats",
     "StructuredOutputsParams",
+    "chat_prompt_ids",
 ]

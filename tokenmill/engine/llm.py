@@ -15,6 +15,18 @@ from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.models.loader import LoadedWeights
 
 Messages = list[dict[str, str]]
+# A template that can think (Qwen3) does not unless asked: a batch job would pay for every
+# reasoning token. chat_template_kwargs={"enable_thinking": True} asks (vLLM's request field).
+DEFAULT_CHAT_TEMPLATE_KWARGS: dict[str, Any] = {"enable_thinking": False}
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Messages, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """A conversation through the tokenizer's chat template, ready for the assistant's turn.
+    `template_kwargs`: the template's variables, over DEFAULT_CHAT_TEMPLATE_KWARGS."""
+    variables = {**DEFAULT_CHAT_TEMPLATE_KWARGS, **(template_kwargs or {})}
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **variables)
+    # The template already wrote the special tokens (BOS included, where there is one).
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 class LLM:
@@ -57,13 +69,17 @@ class LLM:
         params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         progress: bool = True,
         raise_on_error: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate (as `generate`)."""
+        """Apply the model's chat template to each conversation, then generate (as `generate`).
+        `chat_template_kwargs`: variables for the template (thinking is off unless
+        {"enable_thinking": True})."""
         batch: SequenceABC[Messages] = (
             [conversations] if conversations and isinstance(conversations[0], dict)  # type: ignore[list-item]
             else conversations  # type: ignore[assignment]
         )
-        return self._generate(list(batch), params, progress, raise_on_error, chat=True)
+        return self._generate(list(batch), params, progress, raise_on_error, chat=True,
+                              template_kwargs=chat_template_kwargs)
 
     def _generate(
         self,
@@ -72,6 +88,7 @@ class LLM:
         progress: bool,
         raise_on_error: bool,
         chat: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Validate every request (a conversation goes through the chat template first, which may
         refuse it too); a refusal becomes that request's error output."""
@@ -84,7 +101,10 @@ class LLM:
         slots: list[EngineRequest | RequestOutput] = []
         for item, sp in zip(prompts, param_list, strict=True):
             try:
-                prompt = {"prompt": None, "prompt_token_ids": self.chat_token_ids(item)} if chat else item  # type: ignore[arg-type]
+                prompt = (
+                    {"prompt": None, "prompt_token_ids": self.chat_token_ids(item, template_kwargs)}  # type: ignore[arg-type]
+                    if chat else item
+                )
                 slots.append(self.engine.process_request(prompt, sp))  # type: ignore[arg-type]
             except ValueError as exc:
                 if raise_on_error:
@@ -96,15 +116,13 @@ class LLM:
         finished = self._run_to_completion(len(accepted), progress)
         return [finished[slot.request_id] if isinstance(slot, EngineRequest) else slot for slot in slots]
 
-    def chat_token_ids(self, messages: Messages) -> list[int]:
+    def chat_token_ids(self, messages: Messages, template_kwargs: dict[str, Any] | None = None) -> list[int]:
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with plain prompts")
         # The template only adds text: a conversation too long for the context is refused untemplated.
         self.engine.check_prompt_chars(sum(len(m.get("content") or "") for m in messages))
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        # The template already wrote the special tokens (BOS included, where there is one).
-        return list(tok.encode(text, add_special_tokens=False))
+        return chat_prompt_ids(tok, messages, template_kwargs)
 
     def _run_to_completion(self, total: int, progress: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -53,7 +53,7 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        weights = weights or load_weights(config.model, config.tokenizer)
+        weights = weights or load_weights(config.model, config.tokenizer, config.torch_dtype)
         self.model_config = weights.config
         self.tokenizer = weights.tokenizer
         self.device = config.resolved_device()

@@ -11,8 +11,9 @@ import torch
 from tokenmill.models.moe import is_moe_layer
 
 # "gemma3" is the multimodal config: its text part (text_config) is what runs.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma3_text", "gemma3", "mixtral", "qwen2_moe",
-                           "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma3_text", "gemma3", "phi3", "mixtral",
+                           "qwen2_moe", "qwen3_moe")
+ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 # Gemma3TextConfig's defaults: a multimodal config's text_config lists only what differs from them.
@@ -39,7 +40,10 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # transformers' rope_parameters less rope_theta (one of ROPE_SCALINGS); None: unscaled.
     rope_scaling: dict[str, Any] | None = None
+    # Only the first head_dim * partial_rotary_factor dimensions of each head rotate (Phi-4-mini).
+    partial_rotary_factor: float = 1.0
     # llama.cpp's per-frequency RoPE divisors (a GGUF file's rope_freqs tensor, Llama 3.1+):
     # applied instead of rope_scaling when present.
     rope_freq_factors: list[float] | None = None
@@ -81,9 +85,10 @@ class ModelConfig:
             cfg = _gemma3_text(cfg)
             model_type = "gemma3_text"
         heads = cfg["num_attention_heads"]
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope = _rope_parameters(cfg)
         rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        partial_rotary = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0))
+        rope_type = rope["rope_type"]
         windows = _layer_windows(cfg)
         eos = cfg.get("eos_token_id")
         factors, local_theta = cfg.get("rope_freq_factors"), cfg.get("rope_local_base_freq")
@@ -100,6 +105,7 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=None if rope_type == "default" else rope,
+            partial_rotary_factor=partial_rotary,
             rope_freq_factors=None if factors is None else [float(f) for f in factors],
             rope_local_theta=None if local_theta is None else float(local_theta),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
@@ -120,6 +126,12 @@ class ModelConfig:
         """Gemma 3's layout: scaled embeddings, (1 + w) norms, four norms per layer."""
         return self.model_type == "gemma3_text"
 
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dimensions RoPE rotates (the rest pass through), as transformers
+        rounds it."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def layer_window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else self.sliding_window
 
@@ -133,6 +145,20 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         # Every layer caches the same num_key_value_heads x head_dim (true of Gemma 3 too).
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+
+def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """RoPE settings in transformers 5's shape (rope_parameters) from either config shape: older
+    configs write rope_scaling, with `type` and a top-level original_max_position_embeddings (Phi-3)."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    kind = rope.pop("type", None)
+    kind = rope.get("rope_type") or kind or "default"
+    rope["rope_type"] = "longrope" if kind == "su" else kind  # Phi-3's first name for it
+    if rope["rope_type"] not in ("default", *ROPE_SCALINGS):
+        raise ValueError(f"RoPE scaling {kind!r} is not supported (supported: {', '.join(ROPE_SCALINGS)})")
+    if "original_max_position_embeddings" not in rope and cfg.get("original_max_position_embeddings"):
+        rope["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    return rope
 
 
 def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -213,14 +239,17 @@ def _gemma3_text(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
-    """Inverse RoPE frequencies (fp32, computed as transformers does). `local`: the table of
-    Gemma 3's sliding layers, base rope_local_theta and never scaled. Otherwise llama.cpp's
-    per-frequency divisors where a GGUF file gave them, else Llama-3 or linear scaling."""
-    dim = config.head_dim
+def rope_inv_freq(config: ModelConfig, local: bool = False, context_len: int | None = None) -> torch.Tensor:
+    """Inverse RoPE frequencies (fp32, computed as transformers does) over the rotary_dim
+    dimensions. `local`: the table of Gemma 3's sliding layers, base rope_local_theta and never
+    scaled. Otherwise llama.cpp's per-frequency divisors where a GGUF file gave them, else the
+    config's scaling. `context_len`: the longest sequence the engine will run (longrope picks its
+    factors by it)."""
+    dim = config.rotary_dim
     theta = config.rope_local_theta if local else config.rope_theta
     assert theta is not None, "no local RoPE base in this config"
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv = 1.0 / (theta**exponents)
     if local:
         return inv
     if config.rope_freq_factors is not None:
@@ -231,12 +260,85 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     scaling = config.rope_scaling
     if not scaling:
         return inv
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = scaling["rope_type"]
     if kind == "linear":
         return inv / scaling["factor"]
     if kind == "llama3":
         return _llama3_scale(inv, scaling)
-    raise ValueError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
+    if kind == "yarn":
+        return _yarn_scale(theta, dim, _scaling_factor(config), scaling)
+    if kind == "longrope":
+        return 1.0 / (_longrope_factors(config, context_len) * theta**exponents)
+    raise ValueError(f"RoPE scaling {kind!r} is not supported (supported: {', '.join(ROPE_SCALINGS)})")
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What yarn and longrope multiply cos and sin by (so q.k by its square); 1 for the others."""
+    scaling = config.rope_scaling or {}
+    kind, given = scaling.get("rope_type"), scaling.get("attention_factor")
+    if config.rope_freq_factors is not None or kind not in ("yarn", "longrope"):
+        return 1.0
+    if given is not None:
+        return float(given)
+    factor = _scaling_factor(config)
+    if kind == "longrope":
+        if factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"]))
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:  # DeepSeek's form
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor)
+
+
+def _scaling_factor(config: ModelConfig) -> float:
+    """The context extension: the config's factor, else how far max_position_embeddings goes past
+    the pretraining length (Phi-3 states only the two lengths)."""
+    scaling = config.rope_scaling or {}
+    factor = scaling.get("factor")
+    if factor is None:
+        return config.max_position_embeddings / scaling["original_max_position_embeddings"]
+    return float(factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_scale(theta: float, dim: int, factor: float, s: dict[str, Any]) -> torch.Tensor:
+    """YaRN: high frequencies kept (extrapolated), low ones divided by `factor` (interpolated),
+    a linear ramp between over the dimensions that turn between beta_fast and beta_slow times in
+    the pretraining context."""
+    old_len = s["original_max_position_embeddings"]
+    low = _correction_dim(s.get("beta_fast") or 32, dim, theta, old_len)
+    high = _correction_dim(s.get("beta_slow") or 1, dim, theta, old_len)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    kept = 1 - ramp
+    return 1.0 / (factor * pos_freqs) * (1 - kept) + 1.0 / pos_freqs * kept
+
+
+def _correction_dim(rotations: float, dim: int, theta: float, old_len: int) -> float:
+    """The dimension whose frequency turns `rotations` times over old_len positions."""
+    return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+
+def _longrope_factors(config: ModelConfig, context_len: int | None) -> torch.Tensor:
+    """Phi-3's per-frequency divisors: long_factor when the engine's context goes past the
+    pretraining length, short_factor otherwise. transformers switches per forward call by the
+    longest position in it, which makes a request's output depend on what it was batched with;
+    llama.cpp decides by the context size, as here."""
+    s = config.rope_scaling or {}
+    long = context_len is not None and context_len > s["original_max_position_embeddings"]
+    factors = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32)
+    if factors.numel() != config.rotary_dim // 2:
+        raise ValueError(f"longrope lists {factors.numel()} factors for {config.rotary_dim // 2} RoPE frequencies")
+    return factors
 
 
 def _llama3_scale(inv: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:

@@ -9,26 +9,25 @@ loader gives:
 - Llama 3.1+ RoPE scaling is stored as a `rope_freqs` tensor of per-frequency divisors, not as
   metadata; it goes into the config as `rope_freq_factors`, not into the state dict.
 
-The header is parsed here rather than by `gguf.GGUFReader`, which builds a numpy view of every
-element of every metadata array (15-19 s for Gemma 3's 262k-token vocabulary on 2 cores, 9 s of
-SmolLM2's 12 s load). This reader skips those arrays: only the tokenizer needs them, and
-transformers builds it from the file separately.
+The header comes from `tokenmill.gguf_header` (not `gguf.GGUFReader`, which decodes the whole
+vocabulary: seconds per load); the tensors are memory-mapped views of the file until dequantised.
 """
 
 from __future__ import annotations
 
-import mmap
 import re
-import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma3")
+from tokenmill.gguf_header import GGUFHeader, TensorInfo, read_gguf_header
+
+# The GGUF `general.architecture` names read here (config.py's SUPPORTED_ARCHITECTURES lists the
+# transformers model_types the forward runs).
+GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma3")
 # A GGUF architecture whose transformers model_type has another name.
 _MODEL_TYPES = {"gemma3": "gemma3_text"}
 
@@ -71,140 +70,56 @@ _GEMMA3_27B_LAYERS = 62  # the one size whose attention scale is not 1/sqrt(head
 
 def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(HF-style config dict, HF-named fp32 state dict) of a GGUF file."""
-    parsed = _read(path)
-    arch = parsed.metadata.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"{path}: GGUF architecture {arch!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    config = _gguf_config(parsed, arch)
+    header = read_gguf_header(path)
+    refuse_unrunnable(header)
+    config = gguf_config(header)
+    arch = header.metadata["general.architecture"]
+    data = _file_bytes(header)
     state_dict = {}
-    for name, tensor in parsed.tensors.items():
+    for name, info in header.tensors.items():
         if name == ROPE_FREQS:
             continue  # in the config as rope_freq_factors
         hf_name = _hf_name(name, arch)
-        state_dict[hf_name] = _hf_tensor(tensor, hf_name, arch, config)
+        state_dict[hf_name] = _hf_tensor(info, data, hf_name, arch, config)
     return config, state_dict
 
 
-# GGUF metadata value types (ggml's docs/gguf.md): scalar id -> struct format; 8 string, 9 array.
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-_MAX_KEPT_ARRAY = 4096  # longer arrays are the vocabulary (tokens, scores, merges): skipped
-_DEFAULT_ALIGNMENT = 32
+def refuse_unrunnable(header: GGUFHeader) -> None:
+    """ValueError for what read_gguf cannot turn into a state dict, found from the header alone:
+    an architecture not in GGUF_ARCHITECTURES, or a tensor it has no transformers name for."""
+    arch = header.metadata.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{header.path}: GGUF architecture {arch!r} is not supported "
+            f"(supported: {', '.join(GGUF_ARCHITECTURES)})"
+        )
+    for name in header.tensors:
+        if name != ROPE_FREQS:
+            _hf_name(name, arch)
 
 
-@dataclass(frozen=True)
-class _Tensor:
-    name: str
-    shape: tuple[int, ...]  # innermost dimension first, as GGUF stores it
-    ggml_type: int
-    data: np.ndarray  # its bytes, one row per innermost row (what gguf.quants.dequantize takes)
+def _file_bytes(header: GGUFHeader) -> np.ndarray:
+    """The whole file, memory-mapped: tensors are views of it until they are dequantised."""
+    return np.memmap(header.path, dtype=np.uint8, mode="r")
 
 
-@dataclass(frozen=True)
-class _GGUF:
-    metadata: dict[str, Any]  # arrays longer than _MAX_KEPT_ARRAY left out
-    tensors: dict[str, _Tensor]  # in file order
+def _tensor_bytes(info: TensorInfo, data: np.ndarray) -> np.ndarray:
+    """Its bytes, one row per innermost row (what gguf.quants.dequantize takes); not yet copied."""
+    raw = data[info.data_offset : info.data_offset + info.n_bytes]
+    return raw.reshape(*reversed(info.shape[1:]), info.row_bytes)
 
 
-class _Cursor:
-    def __init__(self, buf: mmap.mmap) -> None:
-        self.buf, self.pos = buf, 0
-
-    def scalar(self, fmt: str) -> Any:
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return value
-
-    def string(self) -> str:
-        size = self.scalar("<Q")
-        self.pos += size
-        return self.buf[self.pos - size : self.pos].decode("utf-8", errors="replace")
-
-    def value(self, kind: int) -> Any:
-        if kind in _SCALARS:
-            return self.scalar(_SCALARS[kind])
-        if kind == _STRING:
-            return self.string()
-        if kind != _ARRAY:
-            raise ValueError(f"unknown GGUF value type {kind}")
-        item_kind, count = self.scalar("<I"), self.scalar("<Q")
-        if count <= _MAX_KEPT_ARRAY:
-            return [self.value(item_kind) for _ in range(count)]
-        self.skip(item_kind, count)
-        return None
-
-    def skip(self, kind: int, count: int) -> None:
-        if kind in _SCALARS:
-            self.pos += struct.calcsize(_SCALARS[kind]) * count
-        elif kind == _STRING:
-            for _ in range(count):  # each string carries its own length
-                self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
-        else:
-            raise ValueError(f"GGUF array of type {kind} is not supported")
-
-
-def _read(path: Path) -> _GGUF:
-    """Metadata and tensor views (memory-mapped, not yet copied) of a little-endian GGUF v2/v3."""
-    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        cursor = _Cursor(buf)
-        if buf[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        cursor.pos = 4
-        version = cursor.scalar("<I")
-        if version not in (2, 3):
-            raise ValueError(f"{path}: GGUF version {version} is not supported (big-endian or too old?)")
-        n_tensors, n_values = cursor.scalar("<Q"), cursor.scalar("<Q")
-        metadata = {}
-        for _ in range(n_values):
-            key = cursor.string()
-            value = cursor.value(cursor.scalar("<I"))
-            if value is not None:
-                metadata[key] = value
-        infos = [_tensor_info(cursor) for _ in range(n_tensors)]
-        alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
-        data_start = -(-cursor.pos // alignment) * alignment
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    tensors = {name: _tensor(name, shape, kind, data, data_start + offset) for name, shape, kind, offset in infos}
-    if len(tensors) != len(infos):
-        raise ValueError(f"{path}: a tensor name appears twice")
-    return _GGUF(metadata, tensors)
-
-
-def _tensor_info(cursor: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
-    name = cursor.string()
-    shape = tuple(cursor.scalar("<Q") for _ in range(cursor.scalar("<I")))
-    return name, shape, cursor.scalar("<I"), cursor.scalar("<Q")
-
-
-def _tensor(name: str, shape: tuple[int, ...], kind: int, data: np.ndarray, start: int) -> _Tensor:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
-    if shape[0] % block:
-        raise ValueError(f"tensor {name!r}: rows of {shape[0]} do not split into blocks of {block}")
-    row_bytes = shape[0] // block * block_bytes
-    rows = int(np.prod(shape[1:], dtype=np.int64))
-    raw = data[start : start + rows * row_bytes]
-    if raw.size != rows * row_bytes:
-        raise ValueError(f"tensor {name!r} runs past the end of the file (truncated?)")
-    raw = raw.reshape(*reversed(shape[1:]), row_bytes)
-    return _Tensor(name, shape, kind, raw)
-
-
-def _dequantize(tensor: _Tensor) -> np.ndarray:
+def _dequantize(info: TensorInfo, data: np.ndarray) -> np.ndarray:
     """fp32 values, outermost dimension first (the HF layout), as transformers' loader gets them."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    return dequantize(tensor.data, GGMLQuantizationType(tensor.ggml_type))
+    return dequantize(_tensor_bytes(info, data), GGMLQuantizationType(info.ggml_type))
 
 
-def _hf_tensor(tensor: _Tensor, hf_name: str, arch: str, config: dict[str, Any]) -> torch.Tensor:
-    array = _dequantize(tensor)
-    if arch == "gemma3" and tensor.name.endswith("norm.weight"):
+def _hf_tensor(info: TensorInfo, data: np.ndarray, hf_name: str, arch: str, config: dict[str, Any]) -> torch.Tensor:
+    array = _dequantize(info, data)
+    if arch == "gemma3" and info.name.endswith("norm.weight"):
         # llama.cpp's converter added 1 to every Gemma norm (q/k norms included); in fp32, as
         # transformers' loader subtracts it, so the two agree bit for bit.
         array = array - np.float32(1.0)
@@ -215,8 +130,11 @@ def _hf_tensor(tensor: _Tensor, hf_name: str, arch: str, config: dict[str, Any])
     return weight
 
 
-def _gguf_config(parsed: _GGUF, arch: str) -> dict[str, Any]:
-    metadata, tensors = parsed.metadata, parsed.tensors
+def gguf_config(header: GGUFHeader) -> dict[str, Any]:
+    """The HF-style config dict of a GGUF file, from its header: no weight is read (only the small
+    rope_freqs tensor where there is one). Refuses nothing: see refuse_unrunnable."""
+    metadata, tensors = header.metadata, header.tensors
+    arch = metadata.get("general.architecture")
 
     def get(key: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{key}", default)
@@ -243,7 +161,8 @@ def _gguf_config(parsed: _GGUF, arch: str) -> dict[str, Any]:
         "eos_token_id": _eos_token_ids(metadata),
     }
     if ROPE_FREQS in tensors:
-        config["rope_freq_factors"] = [float(x) for x in _dequantize(tensors[ROPE_FREQS]).reshape(-1)]
+        factors = _dequantize(tensors[ROPE_FREQS], _file_bytes(header))
+        config["rope_freq_factors"] = [float(x) for x in factors.reshape(-1)]
     if arch == "gemma3":
         config.update(_gemma3_config(get, config))
     return config

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, SmolLM, Gemma 3) written for a paged KV cache.
+"""A Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, SmolLM, Gemma 3, Phi-3) written for a paged KV cache.
 
 Read top to bottom: the step's tokens arrive flattened (no batch padding in the linear
 layers); each layer writes its new K/V into cache slots, then attends per request group over
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.models.config import ModelConfig, rope_inv_freq
+from tokenmill.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from tokenmill.models.moe import SparseMoE
 from tokenmill.models.paged_attention import paged_decode_attention
 
@@ -81,8 +81,12 @@ class RMSNorm(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, D] (the half-split layout of Hugging Face Llama)."""
-    half = x.shape[-1] // 2
+    """x: [T, heads, D]; cos/sin: [T, R] (the half-split layout of Hugging Face Llama). With
+    partial rotary (R < D) only the first R dimensions of each head turn."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
+    half = rotary // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
@@ -251,7 +255,7 @@ def fuse_projections(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 
 class CausalLM(nn.Module):
-    rope_cos: torch.Tensor  # [max_positions, head_dim], set by init_rope
+    rope_cos: torch.Tensor  # [max_positions, rotary_dim], set by init_rope
     rope_sin: torch.Tensor
     rope_local_cos: torch.Tensor  # the sliding layers' table, where they have their own (Gemma 3)
     rope_local_sin: torch.Tensor
@@ -269,15 +273,16 @@ class CausalLM(nn.Module):
 
     def init_rope(self, max_positions: int) -> None:
         """cos/sin tables for every position (built after weights load: they are not weights)."""
-        self._register_rope("rope", rope_inv_freq(self.config), max_positions)
+        inv_freq = rope_inv_freq(self.config, context_len=max_positions)
+        self._register_rope("rope", inv_freq, max_positions, rope_attention_factor(self.config))
         if self.config.rope_local_theta is not None:
             self._register_rope("rope_local", rope_inv_freq(self.config, local=True), max_positions)
 
-    def _register_rope(self, name: str, inv_freq: torch.Tensor, max_positions: int) -> None:
+    def _register_rope(self, name: str, inv_freq: torch.Tensor, max_positions: int, scale: float = 1.0) -> None:
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer(f"{name}_cos", angles.cos(), persistent=False)
-        self.register_buffer(f"{name}_sin", angles.sin(), persistent=False)
+        self.register_buffer(f"{name}_cos", angles.cos() * scale, persistent=False)
+        self.register_buffer(f"{name}_sin", angles.sin() * scale, persistent=False)
 
     @torch.inference_mode()
     def forward(

@@ -52,12 +52,12 @@ def load_weights(model: str | None, tokenizer: str | None = None, dtype: torch.d
         return _load_folder(path, tokenizer, dtype)
     if path.exists():
         raise ValueError(f"model {model!r} is neither a .gguf file nor a model folder")
-    if model is not None and _looks_like_hub_id(model):
+    if model is not None and looks_like_hub_id(model):
         return _load_folder(_download_from_hub(model), tokenizer, dtype)
     raise FileNotFoundError(f"model {model!r} not found: give a .gguf file, a folder or a hub id")
 
 
-def _looks_like_hub_id(name: str) -> bool:
+def looks_like_hub_id(name: str) -> bool:
     parts = name.split("/")
     return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
 
@@ -66,7 +66,7 @@ def _download_from_hub(repo_id: str) -> Path:
     """Config and tokenizer first, then only the weight files the folder loader will read: a model
     we would refuse costs no weight download."""
     folder = _snapshot(repo_id, _HUB_METADATA)
-    _refuse_unrunnable(_read_config(folder), folder)
+    _refuse_unrunnable(read_config(folder), folder)
     # The snapshot folder is named by its commit: the weights must come from that same commit.
     commit = folder.name if re.fullmatch(r"[0-9a-f]{40}", folder.name) else None
     return _snapshot(repo_id, _hub_weight_patterns(folder), revision=commit)
@@ -90,16 +90,23 @@ def _hub_weight_patterns(folder: Path) -> list[str]:
 
 
 def _load_folder(folder: Path, tokenizer: str | None, dtype: torch.dtype) -> LoadedWeights:
-    cfg = _read_config(folder)
-    _refuse_unrunnable(cfg, folder)
-    files = _weight_files(folder)
-    _refuse_quantised_tensors(files)
+    cfg, files = check_folder(folder)
     config = ModelConfig.from_hf(cfg)
     state_dict = _read_tensors(files, dtype)
     return LoadedWeights(str(folder), config, state_dict, _load_tokenizer(tokenizer or str(folder)))
 
 
-def _read_config(folder: Path) -> dict[str, Any]:
+def check_folder(folder: Path) -> tuple[dict[str, Any], list[Path]]:
+    """(config dict, weight files) of a Hugging Face folder, after every refusal that reads no
+    weight: ValueError says why the folder would not load."""
+    cfg = read_config(folder)
+    _refuse_unrunnable(cfg, folder)
+    files = weight_files(folder)
+    _refuse_quantised_tensors(files)
+    return cfg, files
+
+
+def read_config(folder: Path) -> dict[str, Any]:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{folder}: no config.json (not a Hugging Face model folder)")
@@ -147,7 +154,7 @@ def _refuse_quantisation_config(cfg: dict[str, Any], folder: Path) -> None:
         raise ValueError(f"{folder}: quantised checkpoint (gptq: AutoGPTQ's quantize_config.json); {_RUNS}")
 
 
-def _weight_files(folder: Path) -> list[Path]:
+def weight_files(folder: Path) -> list[Path]:
     """The index's shards when there is one, else every *.safetensors file except Mistral's own
     format (consolidated*.safetensors: the same weights under other names, never read here)."""
     index = folder / _INDEX
@@ -177,7 +184,8 @@ def _index_shards(index: Path) -> set[str]:
 def _refuse_quantised_tensors(files: list[Path]) -> None:
     """FP8/FP4 or integer weight matrices, quantised without a quantization_config to say so."""
     for file in files:
-        for name, dtype in _header_dtypes(file).items():
+        for name, info in safetensors_header(file).items():
+            dtype = info["dtype"]
             if dtype in _LOW_PRECISION_DTYPES:
                 method = _LOW_PRECISION_DTYPES[dtype]
                 raise ValueError(f"{file}: quantised checkpoint ({method}: tensor {name!r} is {dtype}); {_RUNS}")
@@ -185,15 +193,18 @@ def _refuse_quantised_tensors(files: list[Path]) -> None:
                 raise ValueError(f"{file}: quantised checkpoint (integer weights: tensor {name!r} is {dtype}); {_RUNS}")
 
 
-def _header_dtypes(file: Path) -> dict[str, str]:
-    """Each tensor's dtype from the file's JSON header (an 8-byte length, then the JSON), so the
-    check reads no tensor data."""
+def safetensors_header(file: Path) -> dict[str, dict[str, Any]]:
+    """Each tensor's entry (dtype, shape, data_offsets) from the file's JSON header (an 8-byte
+    length, then the JSON): no tensor data is read."""
     try:
         with file.open("rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(size))
-        return {name: info["dtype"] for name, info in header.items() if name != "__metadata__"}
-    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
+        tensors = {name: info for name, info in header.items() if name != "__metadata__"}
+        if not all(isinstance(info, dict) and "dtype" in info for info in tensors.values()):
+            raise ValueError("a tensor entry has no dtype")
+        return tensors
+    except (struct.error, ValueError, TypeError, AttributeError) as exc:
         raise ValueError(f"{file}: not a safetensors file ({exc!r})") from exc
 
 

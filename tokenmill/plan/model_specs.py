@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.environment import embedded_model_path
+from tokenmill.gguf_header import GGUFHeader, read_gguf_header
 
 from .errors import PlanError
 
@@ -259,22 +260,29 @@ def _gguf_int(meta: dict[str, Any], key: str, path: Path, default: int | None = 
     return int(value)
 
 
+def _read_gguf_header(path: Path) -> GGUFHeader:
+    try:
+        return read_gguf_header(path)
+    except OSError as exc:
+        raise PlanError("model", f"cannot read GGUF {path}: {exc}") from None
+    except ValueError as exc:  # its message names the file
+        raise PlanError("model", str(exc)) from None
+
+
 def spec_from_gguf(path: Path) -> ModelSpec:
     """Build a ModelSpec from a GGUF file's metadata; layer structure is checked on the tensors.
 
     The real stored bytes (quantised blocks with their scales) give ``native_bytes_per_param``.
     """
-    from .gguf_header import read_gguf_header
-
-    header = read_gguf_header(path)
-    meta, names = header.metadata, {t.name for t in header.tensors}
+    header = _read_gguf_header(path)
+    meta, names = header.metadata, set(header.tensors)
     arch = str(meta.get("general.architecture", "llama"))
 
     def get(key: str, default: int | None = None) -> int:
         return _gguf_int(meta, f"{arch}.{key}", path, default)
 
     layers, hidden, heads = get("block_count"), get("embedding_length"), get("attention.head_count")
-    embd = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
+    embd = header.tensors.get("token_embd.weight")
     vocab = get("vocab_size", int(embd.shape[-1]) if embd else None)
     n_moe = sum(f"blk.{i}.ffn_up_exps.weight" in names for i in range(layers))
     moe = None
@@ -291,7 +299,7 @@ def spec_from_gguf(path: Path) -> ModelSpec:
                       kv_lora_rank=get("attention.kv_lora_rank"),
                       qk_nope_head_dim=get("attention.key_length") - rope,
                       qk_rope_head_dim=rope, v_head_dim=get("attention.value_length"))
-    n_params = sum(t.n_elements for t in header.tensors)
+    n_params = sum(t.n_elements for t in header.tensors.values())
     return ModelSpec(
         name=str(meta.get("general.name") or path.stem), num_layers=layers, hidden_size=hidden,
         num_heads=heads, num_kv_heads=get("attention.head_count_kv", heads),
@@ -300,7 +308,7 @@ def spec_from_gguf(path: Path) -> ModelSpec:
         tie_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names, moe=moe, mla=mla,
         default_weight_dtype="native",
-        native_bytes_per_param=sum(t.n_bytes for t in header.tensors) / n_params,
+        native_bytes_per_param=sum(t.n_bytes for t in header.tensors.values()) / n_params,
         max_context=get("context_length", 0) or None, source=str(path),
     )
 
