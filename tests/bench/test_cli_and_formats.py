@@ -91,3 +91,16 @@ def test_compare_ranks_by_tokens_per_dollar(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a tokenmill bench"):
         (tmp_path / "x.json").write_text("{}")
         run_compare([tmp_path / "x.json"], None)
+
+
+def test_compare_puts_each_batch_size_side_by_side_with_ratios(tmp_path: Path) -> None:
+    """`bench --engine embedded,vllm` ends with this table: the first target over each other."""
+    files = []
+    for label, speed in (("fast (embedded)", 30.0), ("slow (vllm)", 20.0)):
+        path = tmp_path / f"{label}.json"
+        path.write_text(json.dumps(to_json(fake_result(label, None, speed))))
+        files.append(path)
+    text = run_compare(files, None)
+    table = text.split("## Side by side")[1]
+    assert "| batch | fast (embedded) | slow (vllm) | ratio vs slow (vllm) |" in table
+    assert "| 1 | 30.0 | 20.0 | 1.50× |" in table and "| 2 | 60.0 | 40.0 | 1.50× |" in table

@@ -11,6 +11,7 @@ from tokenmill.bench.runner import SweepConfig, run_sweep
 from tokenmill.bench.workloads import DISTRIBUTIONS, LengthSpec, Workload
 from tokenmill.engine.args import add_engine_arguments, engine_kwargs
 from tokenmill.environment import CLIENT_API_KEY_ENV, client_api_key
+from tokenmill.vllm_engine import add_engine_choice, check_engine_flags, vllm_engine_args
 
 # The protocol of the published batch-throughput study (docs/bench.md, batch-study.md).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -52,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (bench-results/)")
     # The sweep sets max_num_seqs (the largest batch size); --seed above seeds the workload; --tokenizer
     # above builds endpoint prompts.
+    add_engine_choice(p, several=True)
     add_engine_arguments(p, exclude=("max_num_seqs", "seed", "tokenizer"),
                          title="the embedded engine (EngineConfig; not used with --endpoint)")
 
@@ -64,14 +66,28 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.files:
         raise ValueError(f"bench: unexpected arguments {[str(f) for f in args.files]} (did you mean compare?)")
+    check_engine_flags(args)
+    if args.endpoint and args.engine != ["embedded"]:
+        raise ValueError("bench: --engine measures engines in this process; --endpoint measures a server: give one")
     workload, cfg = resolve(args)
-    target = build_target(args, max(cfg.batch_sizes))
-    result = run_sweep(target, workload, cfg, log=lambda m: print(m, file=sys.stderr))
     from tokenmill.bench.report import terminal, to_json, write_all
 
-    paths = write_all(result, args.out)
-    terminal(to_json(result))
-    print("wrote " + " · ".join(str(p) for p in paths.values()))
+    files = []
+    for engine in args.engine:  # one after another, each freed before the next loads
+        out = args.out / engine if len(args.engine) > 1 else args.out
+        target = build_target(args, max(cfg.batch_sizes), engine)
+        try:
+            result = run_sweep(target, workload, cfg, log=lambda m: print(m, file=sys.stderr))
+        finally:
+            getattr(target, "close", lambda: None)()
+        paths = write_all(result, out)
+        terminal(to_json(result))
+        print("wrote " + " · ".join(str(p) for p in paths.values()))
+        files.append(paths["json"])
+    if len(files) > 1:
+        from tokenmill.bench.compare import run_compare
+
+        print(run_compare(files, args.out))
     return 0
 
 
@@ -119,7 +135,7 @@ def resolve_price(value: str | None) -> tuple[float | None, str | None]:
     return price, "--price-per-hour"
 
 
-def build_target(args: argparse.Namespace, max_batch: int) -> Any:
+def build_target(args: argparse.Namespace, max_batch: int, engine: str = "embedded") -> Any:
     if args.endpoint:
         from tokenmill.bench.endpoint import EndpointTarget
 
@@ -129,9 +145,14 @@ def build_target(args: argparse.Namespace, max_batch: int) -> Any:
     from tokenmill.engine import LLM
     from tokenmill.environment import embedded_model_path
 
+    name = args.model or embedded_model_path().stem
+    if engine == "vllm":
+        from tokenmill.vllm_engine import VllmLLM
+
+        vllm = VllmLLM(vllm_engine_args(args), **engine_kwargs(args), max_num_seqs=max_batch)
+        return EmbeddedTarget(vllm, f"{name} (vllm)", kind="vllm")  # type: ignore[arg-type]
     llm = LLM(**engine_kwargs(args), max_num_seqs=max_batch)
-    name = args.model or f"{embedded_model_path().stem} (embedded)"
-    return EmbeddedTarget(llm, name)
+    return EmbeddedTarget(llm, f"{name} (embedded)")
 
 
 def load_tokenizer(source: str | None) -> Any:

@@ -51,6 +51,24 @@ def compare_rows(datasets: list[dict[str, Any]]) -> list[dict[str, str]]:
     return rows
 
 
+def side_by_side_rows(datasets: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Each batch size every file measured: each target's output tok/s and the first target's
+    ratio to each of the others (`bench --engine embedded,vllm`: embedded over vLLM)."""
+    by_batch = [{p["batch_size"]: p for p in d["points"]} for d in datasets]
+    common = sorted(set.intersection(*(set(b) for b in by_batch)))
+    labels = [d["label"] for d in datasets]
+    if len(set(labels)) < len(labels):  # the same model twice: number them
+        labels = [f"{i + 1}. {label}" for i, label in enumerate(labels)]
+    rows = []
+    for batch in common:
+        rates = [b[batch]["output_tokens_per_s"] for b in by_batch]
+        row = {"batch": str(batch)} | {label: f"{rate:.1f}" for label, rate in zip(labels, rates, strict=True)}
+        for label, rate in zip(labels[1:], rates[1:], strict=True):
+            row[f"ratio vs {label}"] = f"{rates[0] / rate:.2f}×" if rate else "–"
+        rows.append(row)
+    return rows
+
+
 def run_compare(paths: list[Path], out: Path | None) -> str:
     if len(paths) < 1:
         raise ValueError("compare: give at least one bench JSON file")
@@ -58,6 +76,9 @@ def run_compare(paths: list[Path], out: Path | None) -> str:
     shapes = {(d["input_len"], d["output_len"]) for d in datasets}
     text = "# tokenmill bench compare\n\n" + md_table(compare_rows(datasets)) + "\n\n"
     text += "## In the shape of the published study\n\n" + md_table([study_row(d) for d in datasets]) + "\n"
+    if len(datasets) > 1:
+        text += "\n## Side by side, per batch size (output tok/s; ratio: the first over each other)\n\n"
+        text += md_table(side_by_side_rows(datasets)) + "\n"
     if len(shapes) > 1:
         text += "\nWarning: the files used different input/output lengths; their numbers are not comparable.\n"
     if out is not None:

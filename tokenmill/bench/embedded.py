@@ -1,4 +1,5 @@
-"""The embedded engine as a bench target, driven step by step in this process.
+"""An in-process engine as a bench target, driven step by step in this process: the embedded
+engine, or vLLM's through the same interface (vllm_engine/).
 
 Batch size B sets `max_num_seqs` (the running batch) and the offered load: every request of a
 run is added at once, so the engine always has B to run while any wait. A timestamp is taken
@@ -18,12 +19,11 @@ from tokenmill.engine import LLM, RequestOutput, SamplingParams
 
 
 class EmbeddedTarget:
-    kind = "embedded"
-
-    def __init__(self, llm: LLM, model_name: str) -> None:
+    def __init__(self, llm: LLM, model_name: str, kind: str = "embedded") -> None:
         self.llm = llm
         self.engine = llm.engine
         self.label = model_name
+        self.kind = kind
 
     @property
     def tokenizer(self) -> Any:
@@ -33,7 +33,12 @@ class EmbeddedTarget:
         settings = asdict(self.engine.config)
         settings["max_model_len_resolved"] = self.engine.max_model_len
         settings["num_kv_blocks"] = self.engine.num_kv_blocks
+        settings |= {f"vllm_{k}": v for k, v in getattr(self.engine, "engine_args", {}).items()}
         return {"kind": self.kind, "model": self.label, "engine": settings}
+
+    def close(self) -> None:
+        """Free the engine before another loads (vLLM's runs in a process of its own)."""
+        getattr(self.engine, "close", lambda: None)()
 
     def run(self, requests: list[Request], batch_size: int) -> RunOutcome:
         engine = self.engine

@@ -28,11 +28,11 @@ def ceiling(model_ref: str | None, hardware: str, prompt_len: int, output_len: i
 
 
 def add_ceilings(results: list[CandidateResult], models: dict[str, str | None], hardware: str) -> list[str]:
-    """Set `.ceiling` on each embedded candidate that has a projection; returns warnings for those
-    the planner cannot model."""
+    """Set `.ceiling` on each in-process candidate (embedded or vLLM engine: the model is known)
+    that has a projection; returns warnings for those the planner cannot model."""
     warnings = []
     for result in results:
-        if result.backend != "embedded" or result.projected is None:
+        if result.backend not in ("embedded", "vllm") or result.projected is None:
             continue
         p = result.projected
         try:

@@ -10,6 +10,7 @@ from tokenmill.engine.llm_engine import EngineRequest, LLMEngine, Prompt
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutputsParams
 from tokenmill.engine.scheduler import SchedulerMetrics, SchedulerStats
+from tokenmill.engine.sequence import RequestTimings
 
 __all__ = [
     "DEFAULT_CHAT_TEMPLATE_KWARGS",
@@ -20,6 +21,7 @@ __all__ = [
     "LLMEngine",
     "Prompt",
     "RequestOutput",
+    "RequestTimings",
     "SamplingParams",
     "SchedulerMetrics",
     "SchedulerStats",

@@ -44,6 +44,11 @@ class BackendStats:
                 setattr(self, f.name, (mine or 0) + theirs)
 
 
+class BackendUnavailable(RuntimeError):
+    """The backend cannot start at all (its model does not load, vLLM is not installed): not any
+    one request's fault, so no line is blamed for it."""
+
+
 class StopFlag:
     """Set by the first Ctrl-C / SIGTERM (stop admitting work) and the second (abort in-flight)."""
 
@@ -103,7 +108,7 @@ class ResultSink:
 
 
 class Backend(Protocol):
-    kind: str  # "embedded" | "endpoint" | "serve"
+    kind: str  # "embedded" | "vllm" | "endpoint" | "serve"
     model: str  # what the results are generated with (part of the job's fingerprint)
 
     def check(self, request: BatchRequest) -> None:

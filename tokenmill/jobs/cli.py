@@ -15,12 +15,13 @@ from tokenmill.engine.args import (
     structured_outputs_from_args,
 )
 from tokenmill.environment import CLIENT_API_KEY_ENV, client_api_key
-from tokenmill.jobs.backend import Backend
+from tokenmill.jobs.backend import Backend, BackendUnavailable
 from tokenmill.jobs.config import ORDERS, JobConfig
 from tokenmill.jobs.output import JobError, JobFailed
 from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.spec import FORMATS, DocumentOptions
 from tokenmill.openai_compat import structured_outputs_body
+from tokenmill.vllm_engine import add_engine_choice, check_engine_flags, vllm_engine_args
 
 EXIT_JOB_FAILED = 3  # started, then could not go on (Ray stalled, endpoint down past --retry-for); re-run resumes
 
@@ -76,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ray.add_argument("--no-progress-timeout", type=float, default=1800.0,
                      help="fail when no batch finishes for this many seconds (default 1800; keep it above "
                      "the time one batch takes)")
+    add_engine_choice(parser)
     add_engine_arguments(parser, title="the embedded engine (EngineConfig; not used with --endpoint)", help={
         "model": "embedded: GGUF file, HF folder or hub id (default: the embedded SmolLM2); with --endpoint: "
                  "the model name sent in every body"})
@@ -87,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     except JobFailed as exc:
         print(f"tokenmill run: {exc}", file=sys.stderr)
         return EXIT_JOB_FAILED
-    except JobError as exc:
+    except (JobError, BackendUnavailable) as exc:
         print(f"tokenmill run: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before the work started (validation); nothing to resume yet
@@ -122,6 +124,12 @@ def _structured_outputs(args: argparse.Namespace) -> dict[str, Any] | None:
 def make_backend(args: argparse.Namespace) -> Backend:
     """The backend the flags ask for: the embedded engine, an endpoint, or Ray replicas of either."""
     endpoints = args.endpoint or []
+    try:
+        check_engine_flags(args)
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
+    if endpoints and args.engine == "vllm":
+        raise JobError("--engine vllm runs vLLM in this process; --endpoint sends to a server instead: give one")
     if len(endpoints) > 1 and not args.ray:
         raise JobError("several --endpoint need --ray (each replica spreads its batches over them)")
     ray_only = {"--ray-address": args.ray_address, "--replicas": args.replicas != 1,
@@ -161,6 +169,9 @@ def _endpoint(args: argparse.Namespace, url: str, concurrency: int) -> Backend:
 
 
 def _embedded(args: argparse.Namespace, **overrides: Any) -> Backend:
+    """An in-process engine: the embedded one, or vLLM's with --engine vllm."""
     from tokenmill.jobs.embedded import EmbeddedBackend
 
+    if args.engine == "vllm":
+        overrides = {"engine": "vllm", "vllm_args": vllm_engine_args(args)}
     return EmbeddedBackend(**{**engine_kwargs(args), **overrides})

@@ -1,4 +1,5 @@
-"""The in-process backend: the whole job fed to the continuous-batching engine.
+"""The in-process backend: the whole job fed to a continuous-batching engine in this process, the
+embedded one or vLLM's (`engine="vllm"`, driven through the same interface: vllm_engine/).
 
 A bounded window of requests sits inside the engine (`window_factor` × max_num_seqs, waiting
 plus running) and is topped up as requests finish: the scheduler always has a full batch to
@@ -13,7 +14,7 @@ from typing import Any
 
 from tokenmill.engine import LLM, EngineConfig, LLMEngine, RequestOutput
 from tokenmill.environment import model_name
-from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
+from tokenmill.jobs.backend import BackendStats, BackendUnavailable, ResultSink, StopFlag
 from tokenmill.jobs.spec import BatchRequest
 from tokenmill.models.loader import LoadedWeights
 from tokenmill.openai_compat import (
@@ -26,11 +27,10 @@ from tokenmill.openai_compat import (
 
 
 class EmbeddedBackend:
-    kind = "embedded"
-
     def __init__(
         self, model: str | None = None, *, llm: LLM | None = None, weights: LoadedWeights | None = None,
-        window_factor: int = 2, load_to_check: bool = True, **engine_config: Any,
+        window_factor: int = 2, load_to_check: bool = True, engine: str = "embedded",
+        vllm_args: dict[str, Any] | None = None, **engine_config: Any,
     ) -> None:
         """`llm`: an engine already built (tests share one model load); else one is built in `start`
         from `model` and `engine_config` (any EngineConfig field; checked here, before any work), on
@@ -39,7 +39,11 @@ class EmbeddedBackend:
         `load_to_check`: `check` loads the engine, so that validation refuses a prompt too long
         for its context (by a length bound, without tokenizing), or a structured output that does
         not compile, before any work. Off on a Ray driver (`check_without_loading`): there a
-        replica's engine refuses it as cheaply."""
+        replica's engine refuses it as cheaply.
+
+        `engine="vllm"`: vLLM's engine instead, built with `vllm_args` (vllm.EngineArgs keywords)."""
+        self.kind = engine
+        self._vllm_args = vllm_args or {}
         self._llm, self._weights, self._load_to_check = llm, weights, load_to_check
         self._load_s = 0.0
         self._engine_config = {"model": model, **engine_config}
@@ -51,7 +55,10 @@ class EmbeddedBackend:
     def check(self, request: BatchRequest) -> None:
         check_request(request.url, request.body)
         if self._load_to_check:
-            self.start()
+            try:
+                self.start()
+            except ValueError as exc:  # e.g. an unsupported model: no line's fault
+                raise BackendUnavailable(str(exc)) from exc
             assert self._llm is not None
             check_prompt_size(request.url, request.body, self._llm)
             check_structured_outputs(request.body, self._llm)  # compiled once per distinct setting
@@ -64,7 +71,12 @@ class EmbeddedBackend:
         """Load the engine (once: `check` may have done it already)."""
         if self._llm is None:
             start = time.monotonic()
-            self._llm = LLM(weights=self._weights, **self._engine_config)
+            if self.kind == "vllm":
+                from tokenmill.vllm_engine import VllmLLM
+
+                self._llm = VllmLLM(self._vllm_args, **self._engine_config)  # type: ignore[assignment]
+            else:
+                self._llm = LLM(weights=self._weights, **self._engine_config)
             self._load_s = time.monotonic() - start
 
     def run(self, requests: Iterator[BatchRequest], sink: ResultSink, stop: StopFlag) -> BackendStats:
@@ -84,7 +96,10 @@ class EmbeddedBackend:
             for out in timer.step(engine):
                 if out.finished and out.request_id in inflight:
                     request = inflight.pop(out.request_id)
-                    sink.result(request, response_body(request.url, out, self.model))
+                    if out.finish_reason == "error":  # refused inside the engine (vLLM, on submission)
+                        sink.error(request, "invalid_request", out.error or "refused by the engine")
+                    else:
+                        sink.result(request, response_body(request.url, out, self.model))
         load_s, self._load_s = self._load_s, 0.0  # counted once, in the run after the load
         return BackendStats(
             load_s=load_s, prefill_tokens=timer.prefill_tokens, decode_tokens=timer.decode_tokens,
