@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -81,3 +83,26 @@ def test_median_point_and_gains() -> None:
     big = summarize(8, [rec(0.0, [1.0, 2.0])] * 8, wall_s=2.0)
     add_gains([m, big])
     assert big.gain == pytest.approx(8.0 / 0.5 - 1)
+
+
+def test_cpu_meter_counts_this_process_children_as_its_own() -> None:
+    """vLLM computes in a child process: its CPU time is the benchmark's, not another process's
+    (which would flag every vLLM run as measured on a busy machine)."""
+    import subprocess
+    import sys
+    import time
+
+    from tokenmill.bench.runner import CpuMeter, _descendants_cpu_seconds
+
+    meter = CpuMeter()
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 1.0: pass\ntime.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 30
+        while _descendants_cpu_seconds(os.getpid()) < 1.0:  # the child's busy second, still alive
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert meter.other_seconds() is not None and meter.other_seconds() < 0.5
+    finally:
+        child.kill()
+        child.wait()
