@@ -27,7 +27,7 @@ from jinja2 import TemplateError
 
 from tokenmill.engine import (
     DEFAULT_MAX_TOKENS,
-    LLM,
+    InProcessModel,
     Prompt,
     RequestOutput,
     SamplingParams,
@@ -224,7 +224,7 @@ def structured_outputs(body: dict[str, Any]) -> StructuredOutputsParams | None:
         raise _named(str(exc), name) from None
 
 
-def check_structured_outputs(body: dict[str, Any], llm: LLM) -> None:
+def check_structured_outputs(body: dict[str, Any], llm: InProcessModel) -> None:
     """Compile the body's structured output for this model (the engine compiles each distinct one
     once); RequestError naming the field when it does not compile: an invalid schema, a keyword
     the compiler does not support, a regex or grammar with an error, a compile over the time limit."""
@@ -319,7 +319,7 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
     return plain
 
 
-def check_prompt_size(url: str, body: dict[str, Any], llm: LLM) -> None:
+def check_prompt_size(url: str, body: dict[str, Any], llm: InProcessModel) -> None:
     """Refuse a text prompt too long for the context by its length, without tokenizing it (which
     takes seconds per megabyte). Token-id prompts are counted as they are, as cheaply, by the engine."""
     if url == CHAT_URL:
@@ -328,7 +328,7 @@ def check_prompt_size(url: str, body: dict[str, Any], llm: LLM) -> None:
         llm.engine.check_prompt_chars(len(body["prompt"]))
 
 
-def engine_inputs(url: str, body: dict[str, Any], llm: LLM) -> tuple[Prompt, SamplingParams]:
+def engine_inputs(url: str, body: dict[str, Any], llm: InProcessModel) -> tuple[Prompt, SamplingParams]:
     """The prompt (a chat through the model's own chat template) and the sampling settings."""
     params = sampling_params(body)
     check_structured_outputs(body, llm)

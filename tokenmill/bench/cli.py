@@ -150,7 +150,7 @@ def build_target(args: argparse.Namespace, max_batch: int, engine: str = "embedd
         from tokenmill.vllm_engine import VllmLLM
 
         vllm = VllmLLM(vllm_engine_args(args), **engine_kwargs(args), max_num_seqs=max_batch)
-        return EmbeddedTarget(vllm, f"{name} (vllm)", kind="vllm")  # type: ignore[arg-type]
+        return EmbeddedTarget(vllm, f"{name} (vllm)", kind="vllm")
     llm = LLM(**engine_kwargs(args), max_num_seqs=max_batch)
     return EmbeddedTarget(llm, f"{name} (embedded)")
 

@@ -15,11 +15,11 @@ from typing import Any
 from tokenmill.bench.metrics import RequestRecord
 from tokenmill.bench.runner import RunOutcome
 from tokenmill.bench.workloads import Request
-from tokenmill.engine import LLM, RequestOutput, SamplingParams
+from tokenmill.engine import InProcessModel, RequestOutput, SamplingParams
 
 
 class EmbeddedTarget:
-    def __init__(self, llm: LLM, model_name: str, kind: str = "embedded") -> None:
+    def __init__(self, llm: InProcessModel, model_name: str, kind: str = "embedded") -> None:
         self.llm = llm
         self.engine = llm.engine
         self.label = model_name
@@ -27,7 +27,7 @@ class EmbeddedTarget:
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.llm.tokenizer
 
     def describe(self) -> dict[str, Any]:
         settings = asdict(self.engine.config)

@@ -5,6 +5,7 @@ command-line flags); the scheduler, block manager and runner stay inside.
 """
 
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.interface import InProcessModel, StepEngine
 from tokenmill.engine.llm import DEFAULT_CHAT_TEMPLATE_KWARGS, LLM, chat_prompt_ids
 from tokenmill.engine.llm_engine import EngineRequest, LLMEngine, Prompt
 from tokenmill.engine.outputs import RequestOutput
@@ -18,6 +19,7 @@ __all__ = [
     "LLM",
     "EngineConfig",
     "EngineRequest",
+    "InProcessModel",
     "LLMEngine",
     "Prompt",
     "RequestOutput",
@@ -25,6 +27,7 @@ __all__ = [
     "SamplingParams",
     "SchedulerMetrics",
     "SchedulerStats",
+    "StepEngine",
     "StructuredOutputsParams",
     "chat_prompt_ids",
 ]

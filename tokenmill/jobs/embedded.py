@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from tokenmill.engine import LLM, EngineConfig, LLMEngine, RequestOutput
+from tokenmill.engine import LLM, EngineConfig, InProcessModel, RequestOutput, StepEngine
 from tokenmill.environment import model_name
 from tokenmill.jobs.backend import BackendStats, BackendUnavailable, ResultSink, StopFlag
 from tokenmill.jobs.spec import BatchRequest
@@ -28,7 +28,7 @@ from tokenmill.openai_compat import (
 
 class EmbeddedBackend:
     def __init__(
-        self, model: str | None = None, *, llm: LLM | None = None, weights: LoadedWeights | None = None,
+        self, model: str | None = None, *, llm: InProcessModel | None = None, weights: LoadedWeights | None = None,
         window_factor: int = 2, load_to_check: bool = True, engine: str = "embedded",
         vllm_args: dict[str, Any] | None = None, **engine_config: Any,
     ) -> None:
@@ -44,7 +44,8 @@ class EmbeddedBackend:
         `engine="vllm"`: vLLM's engine instead, built with `vllm_args` (vllm.EngineArgs keywords)."""
         self.kind = engine
         self._vllm_args = vllm_args or {}
-        self._llm, self._weights, self._load_to_check = llm, weights, load_to_check
+        self._llm: InProcessModel | None = llm
+        self._weights, self._load_to_check = weights, load_to_check
         self._load_s = 0.0
         self._engine_config = {"model": model, **engine_config}
         config = llm.engine.config if llm else EngineConfig(**self._engine_config)
@@ -74,7 +75,7 @@ class EmbeddedBackend:
             if self.kind == "vllm":
                 from tokenmill.vllm_engine import VllmLLM
 
-                self._llm = VllmLLM(self._vllm_args, **self._engine_config)  # type: ignore[assignment]
+                self._llm = VllmLLM(self._vllm_args, **self._engine_config)
             else:
                 self._llm = LLM(weights=self._weights, **self._engine_config)
             self._load_s = time.monotonic() - start
@@ -157,7 +158,7 @@ class _StepTimer:
         self.prefill_tokens = self.decode_tokens = 0
         self.prefill_s = self.decode_s = 0.0
 
-    def step(self, engine: LLMEngine) -> list[RequestOutput]:
+    def step(self, engine: StepEngine) -> list[RequestOutput]:
         before = engine.stats()
         start = time.perf_counter()
         outputs = engine.step()

@@ -49,7 +49,6 @@ def export_gguf(path: Path, folder: Path) -> None:
     model_type = cfg.pop("model_type")
     config = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if v is not None})
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
-    config.torch_dtype = "float32"
     folder.mkdir(parents=True, exist_ok=True)
     save_file({name: t.contiguous() for name, t in state_dict.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})

@@ -134,7 +134,7 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
     """The HF-style config dict of a GGUF file, from its header: no weight is read (only the small
     rope_freqs tensor where there is one). Refuses nothing: see refuse_unrunnable."""
     metadata, tensors = header.metadata, header.tensors
-    arch = metadata.get("general.architecture")
+    arch = str(metadata.get("general.architecture"))
 
     def get(key: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{key}", default)

@@ -43,7 +43,7 @@ INSTALL_HINT = ("--engine vllm needs vLLM: pip install 'tokenmill[vllm]' (on a C
 
 def import_vllm() -> Any:
     try:
-        import vllm
+        import vllm  # type: ignore[import-not-found]  # optional: tokenmill[vllm]
     except ImportError as exc:
         raise ValueError(f"{INSTALL_HINT} ({exc})") from None
     return vllm
@@ -52,7 +52,7 @@ def import_vllm() -> Any:
 def _refusal_types() -> tuple[type[Exception], ...]:
     """What vLLM raises for a request it will not take (a grammar that does not compile, ...)."""
     try:
-        from vllm.exceptions import VLLMClientError
+        from vllm.exceptions import VLLMClientError  # type: ignore[import-not-found]
     except ImportError:  # older vLLM: ValueError
         return (ValueError, TypeError)
     return (ValueError, TypeError, VLLMClientError)
