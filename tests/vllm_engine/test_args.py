@@ -56,3 +56,18 @@ def test_engine_vllm_without_vllm_names_the_extra(tmp_path, capsys) -> None:  # 
     code = main(["run", str(tmp_path / "in.txt"), "-o", str(tmp_path / "out"), "--engine", "vllm",
                  "--model", str(tmp_path), "--no-progress"])
     assert code == 2 and "pip install 'tokenmill[vllm]'" in capsys.readouterr().err
+
+
+def test_ray_with_engine_vllm_makes_each_replica_a_vllm_engine() -> None:
+    """--ray --engine vllm --gpus-per-replica N: each Ray replica gets a vLLM backend (built in the
+    replica, never here) and N GPUs; the driver only checks bodies."""
+    pytest.importorskip("ray.data")
+    from tokenmill.jobs.cli import make_backend
+
+    args = _run_args("--ray", "--engine", "vllm", "--replicas", "3", "--gpus-per-replica", "2",
+                     "--tensor-parallel-size", "2", "--max-num-seqs", "128")
+    backend = make_backend(args)
+    assert backend.kind == "vllm" and backend.options.gpus_per_replica == 2  # type: ignore[attr-defined]
+    (replica,) = backend.backends  # type: ignore[attr-defined]
+    assert replica.kind == "vllm" and replica._llm is None and not replica._load_to_check
+    assert replica._vllm_args == {"tensor_parallel_size": 2, "max_num_seqs": 128}

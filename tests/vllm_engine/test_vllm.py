@@ -19,6 +19,7 @@ from tests.jobs.conftest import assert_exactly_once, read_jsonl
 from tests.reference import ReferenceCache, assert_matches_reference
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine import StructuredOutputsParams
+from tokenmill.jobs.output import answer_of
 from tokenmill.models.export import hf_folder_for
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these in .venv-vllm")
@@ -153,3 +154,32 @@ def test_bench_measures_both_engines_side_by_side(tmp_path: Path, folder: str) -
         assert all(p["output_tokens"] == p["num_requests"] * 8 for p in data["points"])
     table = (out / "compare.md").read_text().split("## Side by side")[1]
     assert "ratio vs" in table and table.count("×") == 2
+
+
+def test_choose_runs_a_vllm_candidate_beside_an_embedded_one(tmp_path: Path, folder: str) -> None:
+    """The same model as a choice-constrained candidate on each engine: same sample, same scorer,
+    both with rates, projection and the planner's ceiling; greedy and constrained, so the same labels."""
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    out = tmp_path / "choose"
+    vllm_flags = " ".join(f"--engine-arg {k}={json.dumps(v)}" for k, v in VLLM_ARGS.items())
+    cmd = [sys.executable, "-m", "tokenmill", "choose", str(examples / "reviews.jsonl"),
+           "--expected", str(examples / "reviews.labels.jsonl"), "-o", str(out), "--no-progress",
+           "--scorer", "label", "--min-quality", "0.3", "--sample", "6", "--price-per-hour", "0.1",
+           "--hardware", "h100-sxm",
+           "--flags", f"--model {folder} --temperature 0 --max-num-seqs 6 --choice positive,negative,mixed",
+           "--candidate", "embedded=--no-enable-prefix-caching",
+           "--candidate", f"vllm=--engine vllm {vllm_flags}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads((out / "report.json").read_text())
+    by_name = {c["name"]: c for c in data["candidates"]}
+    for name in ("embedded", "vllm"):
+        c = by_name[name]
+        assert c["status"] == "done" and c["backend"] == name and c["answered"] == 6
+        assert c["output_tok_s"] > 0 and c["prefill_tok_s"] > 0 and c["projected"]["rows"] == 240
+        assert c["ceiling"]["hardware"] == "H100-SXM"
+    answers = {name: sorted((r["custom_id"], answer_of(r["response"]["body"]))
+                            for r in read_jsonl(out / "candidates" / name / "results.jsonl"))
+               for name in ("embedded", "vllm")}
+    assert answers["embedded"] == answers["vllm"]
+    assert by_name["embedded"]["quality"]["mean"] == by_name["vllm"]["quality"]["mean"]

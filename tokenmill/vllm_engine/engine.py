@@ -79,7 +79,8 @@ class _Request:
     """One request while tokenmill holds it: queued here, then inside vLLM."""
 
     request_id: str
-    prompt: dict[str, Any]
+    text: str | None  # the prompt as text, where it came as text
+    prompt: dict[str, Any]  # as vLLM takes it: token ids
     params: Any  # vllm.SamplingParams
     timings: RequestTimings
     submitted: bool = False
@@ -132,12 +133,12 @@ class VllmEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
-        ids = self._token_ids(prompt)
+        text, ids = self._tokenize(prompt)
         if len(ids) >= self.max_model_len:  # refused now, as the embedded engine does, not at submission
             raise ValueError(f"prompt has {len(ids):,} tokens but the context is {self.max_model_len:,} tokens "
                              "(at least one must be left to generate)")
         self._requests[request_id] = _Request(
-            request_id, {"prompt_token_ids": ids}, self._vllm_params(params), RequestTimings(time.monotonic()))
+            request_id, text, {"prompt_token_ids": ids}, self._vllm_params(params), RequestTimings(time.monotonic()))
         self._queue.append(request_id)
         return request_id
 
@@ -225,7 +226,7 @@ class VllmEngine:
             request.timings.finished = now
             del self._requests[raw.request_id]
         return RequestOutput(
-            raw.request_id, raw.prompt, list(raw.prompt_token_ids or []), completion.text,
+            raw.request_id, request.text, list(raw.prompt_token_ids or []), completion.text,
             list(completion.token_ids), completion.finish_reason if raw.finished else None, completion.stop_reason,
             len(raw.prompt_token_ids or []), raw.num_cached_tokens or 0, 0, request.timings, raw.finished,
         )
@@ -240,25 +241,26 @@ class VllmEngine:
                 **{so.kind: getattr(so, so.kind)}),
         )
 
-    def _token_ids(self, prompt: Prompt) -> list[int]:
-        """tokenmill's prompt forms (text, token ids, or a dict of either) as token ids, the text
-        tokenized as the embedded engine does it."""
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """tokenmill's prompt forms (text, token ids, or a dict of either) as (text, token ids), the
+        text tokenized as the embedded engine does it."""
+        text = None
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
+                text, prompt = prompt.get("prompt"), list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
                 prompt = str(prompt["prompt"])
             else:
                 raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
         if isinstance(prompt, str):
-            ids = list(self.tokenizer.encode(prompt)) if prompt else []
+            text, ids = prompt, list(self.tokenizer.encode(prompt)) if prompt else []
         elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             ids = [int(t) for t in prompt]
         else:
             raise TypeError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt is empty (0 tokens)")
-        return ids
+        return text, ids
 
     def _kv_usage(self) -> float:
         """vLLM's own gauge, where its stats are on (0 otherwise)."""
