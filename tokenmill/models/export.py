@@ -8,13 +8,12 @@ run the very same weights.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 from tokenmill.environment import NAMED_MODELS, cache_root
 from tokenmill.models.gguf_file import read_gguf
-from tokenmill.models.loader import load_tokenizer, looks_like_hub_id, model_path
+from tokenmill.models.loader import file_key, load_tokenizer, looks_like_hub_id, model_path
 
 
 def hf_folder_for(model: str | None) -> str:
@@ -27,9 +26,7 @@ def hf_folder_for(model: str | None) -> str:
     path = model_path(model)
     if path.suffix != ".gguf" or not path.is_file():
         raise FileNotFoundError(f"model {model!r} not found: give a .gguf file, a folder or a hub id")
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    folder = cache_root() / "hf-export" / f"{path.stem}-{key}"
+    folder = cache_root() / "hf-export" / f"{path.stem}-{file_key(path)}"
     if not (folder / "config.json").is_file():
         export_gguf(path, folder)
     return str(folder)

@@ -264,11 +264,16 @@ def _load_gguf(path: Path, tokenizer: str | None, dtype: torch.dtype) -> LoadedW
     return LoadedWeights(str(path), ModelConfig.from_hf(cfg), state_dict, tok)
 
 
+def file_key(path: Path) -> str:
+    """A short key for what is derived from a model file and cached: the file's path, size and
+    modification time (hashing gigabytes on every load would cost more than deriving again)."""
+    stat = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
 def _cached_gguf_tokenizer(path: Path) -> Any:
     """Converting a GGUF vocabulary to a fast tokenizer takes ~10 s; do it once per file."""
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    cache = cache_root() / "tokenizers" / key[:16]
+    cache = cache_root() / "tokenizers" / file_key(path)
     if (cache / "tokenizer_config.json").is_file():
         tok = _load_tokenizer(str(cache))
         if tok is not None:
