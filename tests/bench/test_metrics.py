@@ -106,3 +106,18 @@ def test_cpu_meter_counts_this_process_children_as_its_own() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_cpu_meter_counts_a_finished_child_as_its_own() -> None:
+    """A tool benchmarked as a subprocess (llama-bench) has exited by the time the meter reads:
+    its CPU time is still the benchmark's."""
+    import subprocess
+    import sys
+
+    from tokenmill.bench.runner import CpuMeter
+
+    meter = CpuMeter()
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                    "while time.process_time() - t < 1.0: pass"], check=True)
+    other = meter.other_seconds()
+    assert other is not None and other < 0.5

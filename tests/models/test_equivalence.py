@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.reference import ReferenceCache, assert_matches_reference
+from tests.reference import ReferenceCache, TeacherForcedReference, assert_matches_reference
 from tokenmill import LLM, SamplingParams
 from tokenmill.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from tokenmill.models.loader import LoadedWeights, load_weights
@@ -24,14 +24,17 @@ def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def _check(llm: LLM, ref: ReferenceCache, prompts: list[list[int]], what: str) -> None:
+Checker = ReferenceCache | TeacherForcedReference
+
+
+def _check(llm: LLM, ref: Checker, prompts: list[list[int]], what: str) -> None:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, progress=False)
     for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
-        assert_matches_reference(out.token_ids, ref(prompt, MAX_NEW), f"{what} prompt {i}")
-        assert out.finish_reason == "length"
+        ref.check(prompt, out.token_ids, f"{what} prompt {i}")
+        assert out.finish_reason == "length" and len(out.token_ids) == MAX_NEW
 
 
-def _check_cache_paths(make_llm: Callable[..., LLM], ref: ReferenceCache, vocab: int) -> None:
+def _check_cache_paths(make_llm: Callable[..., LLM], ref: Checker, vocab: int) -> None:
     mixed = _prompts(vocab, [1, 5, 17, 33, 8, 50])
     _check(make_llm(), ref, mixed[:1], "single prompt")
     _check(make_llm(), ref, mixed, "mixed-length batch")
@@ -52,7 +55,7 @@ def _check_cache_paths(make_llm: Callable[..., LLM], ref: ReferenceCache, vocab:
     _check_arrivals(make_llm(), ref, vocab)
 
 
-def _check_arrivals(llm: LLM, ref: ReferenceCache, vocab: int) -> None:
+def _check_arrivals(llm: LLM, ref: Checker, vocab: int) -> None:
     """Requests that arrive while others are decoding join the running batch."""
     engine = llm.engine
     prompts = _prompts(vocab, [12, 30, 7, 25], seed=4)
@@ -64,7 +67,7 @@ def _check_arrivals(llm: LLM, ref: ReferenceCache, vocab: int) -> None:
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     for i, prompt in enumerate(prompts):
-        assert_matches_reference(finished[f"r{i}"].token_ids, ref(prompt, MAX_NEW), f"arrival {i}")
+        ref.check(prompt, finished[f"r{i}"].token_ids, f"arrival {i}")
 
 
 # ---- tiny random models built from transformers configs ------------------------------------

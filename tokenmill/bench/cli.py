@@ -152,7 +152,8 @@ def build_target(args: argparse.Namespace, max_batch: int, engine: str = "embedd
         vllm = VllmLLM(vllm_engine_args(args), **engine_kwargs(args), max_num_seqs=max_batch)
         return EmbeddedTarget(vllm, f"{name} (vllm)", kind="vllm")
     llm = LLM(**engine_kwargs(args), max_num_seqs=max_batch)
-    return EmbeddedTarget(llm, f"{name} (embedded)")
+    weights = llm.engine.weight_format  # named when not the default: fp32 and q4 runs are compared
+    return EmbeddedTarget(llm, f"{name} (embedded)" if weights == "auto" else f"{name} (embedded, {weights})")
 
 
 def load_tokenizer(source: str | None) -> Any:

@@ -156,9 +156,10 @@ def _busy_seconds() -> float | None:
 
 
 def _own_cpu_seconds() -> float:
-    """This process (threads included) and every live process under it."""
+    """This process (threads included), the children it has waited for (a benchmarked tool run as a
+    subprocess), and every live process under it."""
     t = os.times()
-    return t.user + t.system + _descendants_cpu_seconds(os.getpid())
+    return t.user + t.system + t.children_user + t.children_system + _descendants_cpu_seconds(os.getpid())
 
 
 def _descendants_cpu_seconds(root: int) -> float:

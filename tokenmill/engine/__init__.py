@@ -9,6 +9,7 @@ from tokenmill.engine.interface import InProcessModel, StepEngine
 from tokenmill.engine.llm import DEFAULT_CHAT_TEMPLATE_KWARGS, LLM, chat_prompt_ids
 from tokenmill.engine.llm_engine import EngineRequest, LLMEngine, Prompt
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.perplexity import Perplexity, perplexity
 from tokenmill.engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutputsParams
 from tokenmill.engine.scheduler import SchedulerMetrics, SchedulerStats
 from tokenmill.engine.sequence import RequestTimings
@@ -21,6 +22,7 @@ __all__ = [
     "EngineRequest",
     "InProcessModel",
     "LLMEngine",
+    "Perplexity",
     "Prompt",
     "RequestOutput",
     "RequestTimings",
@@ -30,4 +32,5 @@ __all__ = [
     "StepEngine",
     "StructuredOutputsParams",
     "chat_prompt_ids",
+    "perplexity",
 ]

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from tokenmill.models.quant import WEIGHT_FORMATS
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SCHEDULING_POLICIES = ("fcfs", "priority", "length")
 DECODE_ATTENTION = ("auto", "kernel", "sdpa")
@@ -53,6 +55,11 @@ class EngineConfig:
     grammar_compile_timeout_s: float = _setting(
         10.0, "structured outputs: a schema, regex or grammar that takes longer to compile fails its request")
     num_threads: int | None = _setting(None, "torch CPU threads (default: torch's)")
+    weight_format: str = _setting(
+        "auto", "linear weights in memory: q4/q8 keep blocks of 4/8 bits read by AVX2 integer kernels (CPU "
+        "fp32 only; embeddings and lm_head stay 8 bits under q4 unless the file has them in 4); fp32 "
+        "dequantises everything (exact comparisons); auto keeps a quantised GGUF's blocks where the "
+        "kernels build, else fp32", WEIGHT_FORMATS)
     pack_weights: bool = _setting(True, "CPU: pre-pack linear weights for oneDNN (much faster small GEMMs)")
     decode_attention: str = _setting(
         "auto", "kernel: decodes read the paged cache in place with a C kernel (CPU fp32, compiled on first "

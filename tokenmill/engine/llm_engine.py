@@ -22,7 +22,7 @@ from tokenmill.engine.sampling_params import SamplingParams, StructuredOutputsPa
 from tokenmill.engine.scheduler import Scheduler, SchedulerMetrics, SchedulerStats
 from tokenmill.engine.sequence import RequestTimings, Sequence
 from tokenmill.engine.structured_outputs import GrammarCompiler
-from tokenmill.models import kernels
+from tokenmill.models import kernels, quant
 from tokenmill.models.build import build_model, free_memory, weight_bytes
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.loader import LoadedWeights, load_weights
@@ -53,15 +53,16 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        weights = weights or load_weights(config.model, config.tokenizer, config.torch_dtype)
+        self.device = config.resolved_device()
+        self.weight_format = self._resolve_weight_format()
+        weights = weights or load_weights(config.model, config.tokenizer, config.torch_dtype, self.weight_format)
         self.model_config = weights.config
         self.tokenizer = weights.tokenizer
-        self.device = config.resolved_device()
         self.max_model_len = self._resolve_max_model_len(weights.config)
         model = build_model(
             weights, self.max_model_len, self.device, config.torch_dtype,
             pack_weights=config.pack_weights, batch_hint=config.max_num_batched_tokens,
-            small_batch_kernel=self._use_small_batch_kernel(weights),
+            small_batch_kernel=self._use_small_batch_kernel(weights), weight_format=self.weight_format,
         )
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -91,6 +92,15 @@ class LLMEngine:
                 f" must be >= max_model_len ({max_len}) or long prompts could never be scheduled"
             )
         return max_len
+
+    def _resolve_weight_format(self) -> str:
+        """EngineConfig.weight_format, with auto settled: quantised only where the kernels run."""
+        choice = self.config.weight_format
+        usable = kernels.supports(self.device, self.config.torch_dtype) and quant.kernel_available()
+        if choice in ("q8", "q4") and not usable:
+            raise ValueError(f"EngineConfig.weight_format={choice!r} needs a CPU with AVX2, float32 and a C compiler "
+                             "(see the log for why the kernels did not build); use 'auto' or 'fp32'")
+        return choice if choice != "auto" or usable else "fp32"
 
     def _kernel_wanted(self, setting: str, fallback: str) -> bool:
         """A C-kernel setting ("auto" | "kernel" | its PyTorch `fallback`): use the kernel?"""

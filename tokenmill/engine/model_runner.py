@@ -43,7 +43,7 @@ class ModelRunner:
         # extra last block is the null block that pads block tables.
         self.null_block = num_blocks
         self._initialised = torch.zeros(num_blocks + 1, dtype=torch.bool)
-        dtype = model.model.embed_tokens.weight.dtype
+        dtype = model.model.norm.weight.dtype  # the activations' (quantised weights have their own)
         shape = (num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = []
         for _ in range(cfg.num_hidden_layers):
@@ -81,6 +81,19 @@ class ModelRunner:
             self._tensor(logits_rows),
         )
         return self.sampler(logits.cpu(), [item.seq for item in batch if item.samples])
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits [T, vocab] at every position of one sequence, in a single prefill written to
+        the first blocks of this runner's cache: for scoring (perplexity) with a runner of its own,
+        never beside scheduled requests, whose blocks it would overwrite."""
+        n, bs = len(token_ids), self.block_size
+        table = list(range(-(-n // bs)))
+        if len(table) > self.null_block:
+            raise ValueError(f"{n} tokens need {len(table)} KV blocks; this runner has {self.null_block}")
+        positions = self._tensor(list(range(n)))  # = the slots: blocks 0, 1, ... in order
+        meta = AttentionMetadata(positions, [self._attention_group([_Span(0, n, n, table)], paged=False)])
+        return self.model(self._tensor(token_ids), positions, self.kv_caches, meta, positions)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device)

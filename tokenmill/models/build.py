@@ -11,6 +11,14 @@ from tokenmill.models.llama import CausalLM, fuse_projections
 from tokenmill.models.loader import LoadedWeights
 from tokenmill.models.moe import stack_experts
 from tokenmill.models.packed import onednn_packing_available, pack_linears
+from tokenmill.models.quant import (
+    Quantized,
+    QuantizedEmbedding,
+    Weight,
+    fits_kernel,
+    install_quantized,
+    quantize_linear_weights,
+)
 
 
 def build_model(
@@ -21,16 +29,28 @@ def build_model(
     pack_weights: bool = True,
     batch_hint: int = 2048,
     small_batch_kernel: bool = False,
+    weight_format: str = "fp32",
 ) -> CausalLM:
     """`batch_hint`: the most tokens one forward will see (oneDNN packs for it);
-    `small_batch_kernel`: also keep the weights in the small-batch kernel's layout."""
+    `small_batch_kernel`: also keep the weights in the small-batch kernel's layout;
+    `weight_format` (models/quant.py WEIGHT_FORMATS): which fp32 linear weights to quantise (the
+    loader already kept a GGUF's quantised ones as they are)."""
     with torch.device("meta"):
         model = CausalLM(weights.config)
-    state = {k: v.to(dtype) for k, v in language_model_weights(weights).items() if "rotary_emb" not in k}
-    state = fuse_projections(stack_experts(state))
+    source = {k: v for k, v in language_model_weights(weights).items() if "rotary_emb" not in k}
+    tensors = {k: v.to(dtype) for k, v in source.items() if isinstance(v, torch.Tensor)}
+    blocks = {k: v for k, v in source.items() if isinstance(v, Quantized)}  # a GGUF's: never MoE experts
+    state = quantize_linear_weights(fuse_projections({**stack_experts(tensors), **blocks}), weight_format)
+    quantized = _split_quantized(state)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    install_quantized(model, quantized)
+    missing = [k for k in missing if k not in quantized]
     if weights.config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        embed = model.model.embed_tokens
+        if isinstance(embed, QuantizedEmbedding):
+            model.lm_head = embed.table
+        else:
+            model.lm_head.weight = embed.weight
         missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
         raise ValueError(
@@ -45,6 +65,20 @@ def build_model(
     return model
 
 
+def _split_quantized(state: dict[str, Weight]) -> dict[str, Quantized]:
+    """Take the quantised weights out of `state` (what load_state_dict cannot take); one whose
+    shape the kernel cannot run goes back in as fp32."""
+    quantized: dict[str, Quantized] = {}
+    for name, value in list(state.items()):
+        if isinstance(value, Quantized):
+            if fits_kernel(*value.shape):
+                quantized[name] = value
+                del state[name]
+            else:
+                state[name] = value.dequantize()
+    return quantized
+
+
 # Gemma 3's multimodal checkpoints hold the text model under another prefix (transformers 4.5x
 # wrote language_model.model.*, 5.x writes model.language_model.*) beside a vision tower.
 _TEXT_PREFIXES = {
@@ -55,7 +89,7 @@ _TEXT_PREFIXES = {
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
-def language_model_weights(weights: LoadedWeights) -> dict[str, torch.Tensor]:
+def language_model_weights(weights: LoadedWeights) -> dict[str, Weight]:
     """The text model's weights under the names CausalLM uses: a multimodal Gemma 3 checkpoint
     runs text-only."""
     if weights.config.model_type != "gemma3_text":
@@ -70,8 +104,9 @@ def language_model_weights(weights: LoadedWeights) -> dict[str, torch.Tensor]:
 
 
 def weight_bytes(weights: LoadedWeights, dtype: torch.dtype) -> int:
-    """The model's weights held in `dtype` (what one more copy of them costs)."""
-    return sum(t.numel() for t in language_model_weights(weights).values()) * dtype.itemsize
+    """The model's fp32/bf16 weights held in `dtype` (what one more copy of them costs)."""
+    tensors = [t for t in language_model_weights(weights).values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() for t in tensors) * dtype.itemsize
 
 
 def free_memory(device: torch.device) -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
 from tokenmill.environment import NAMED_MODELS, cache_root
 from tokenmill.models.gguf_file import read_gguf
 from tokenmill.models.loader import file_key, load_tokenizer, looks_like_hub_id, model_path
@@ -47,7 +49,9 @@ def export_gguf(path: Path, folder: Path) -> None:
     config = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if v is not None})
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({name: t.contiguous() for name, t in state_dict.items()}, str(folder / "model.safetensors"),
+    tensors = {name: t.contiguous() for name, t in state_dict.items() if isinstance(t, torch.Tensor)}
+    assert len(tensors) == len(state_dict), "read_gguf's default keeps no block quantised"
+    save_file(tensors, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
     tokenizer = load_tokenizer(str(path))
     if tokenizer is None:

@@ -11,6 +11,8 @@ loader gives:
 
 The header comes from `tokenmill.gguf_header` (not `gguf.GGUFReader`, which decodes the whole
 vocabulary: seconds per load); the tensors are memory-mapped views of the file until dequantised.
+Asked to keep weights quantised (`weight_format`, models/quant.py), the linear weights come out as
+`Quantized` blocks instead, straight from the file's blocks where their type allows.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 
 from tokenmill.gguf_header import GGUFHeader, TensorInfo, read_gguf_header
+from tokenmill.models.quant import Quantized, Weight, fits_kernel, from_gguf_blocks, quantize, target_bits
 
 # The GGUF `general.architecture` names read here (config.py's SUPPORTED_ARCHITECTURES lists the
 # transformers model_types the forward runs).
@@ -68,19 +71,24 @@ _GEMMA3_LOCAL_ROPE_BASE = 10000.0
 _GEMMA3_27B_LAYERS = 62  # the one size whose attention scale is not 1/sqrt(head_dim)
 
 
-def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(HF-style config dict, HF-named fp32 state dict) of a GGUF file."""
+def read_gguf(path: Path, weight_format: str = "fp32") -> tuple[dict[str, Any], dict[str, Weight]]:
+    """(HF-style config dict, HF-named state dict) of a GGUF file: fp32 tensors, and `Quantized`
+    linear weights where `weight_format` (models/quant.py WEIGHT_FORMATS) keeps them so."""
     header = read_gguf_header(path)
     refuse_unrunnable(header)
     config = gguf_config(header)
     arch = header.metadata["general.architecture"]
     data = _file_bytes(header)
-    state_dict = {}
+    state_dict: dict[str, Weight] = {}
     for name, info in header.tensors.items():
         if name == ROPE_FREQS:
             continue  # in the config as rope_freq_factors
         hf_name = _hf_name(name, arch)
-        state_dict[hf_name] = _hf_tensor(info, data, hf_name, arch, config)
+        bits = target_bits(weight_format, hf_name, _type_name(info), len(info.shape))
+        if bits is None or not fits_kernel(*reversed(info.shape)):
+            state_dict[hf_name] = _hf_tensor(info, data, hf_name, arch, config)
+        else:
+            state_dict[hf_name] = _hf_quantized(info, data, hf_name, arch, config, bits)
     return config, state_dict
 
 
@@ -128,6 +136,26 @@ def _hf_tensor(info: TensorInfo, data: np.ndarray, hf_name: str, arch: str, conf
         heads = config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"]
         weight = _unpermute(weight, heads)
     return weight
+
+
+def _type_name(info: TensorInfo) -> str:
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(info.ggml_type).name
+
+
+def _hf_quantized(info: TensorInfo, data: np.ndarray, hf_name: str, arch: str, config: dict[str, Any],
+                  bits: int) -> Quantized:
+    """The weight as `bits`-bit blocks: the file's own where its type maps exactly, otherwise
+    quantised from its fp32 values."""
+    n, k = info.shape[1], info.shape[0]  # GGUF shapes are innermost first
+    quantized = from_gguf_blocks(_tensor_bytes(info, data), _type_name(info), n, k)
+    if quantized is None or quantized.bits != bits:
+        quantized = quantize(_hf_tensor(info, data, hf_name, arch, config), bits)
+    elif arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"]
+        quantized = quantized.permute_rows(_unpermute(torch.arange(n)[:, None], heads)[:, 0])
+    return quantized
 
 
 def gguf_config(header: GGUFHeader) -> dict[str, Any]:

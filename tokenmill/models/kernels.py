@@ -26,6 +26,7 @@ from tokenmill.environment import cache_root
 log = logging.getLogger(__name__)
 
 _SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
+_HEADERS = sorted((Path(__file__).with_name("csrc")).glob("*.h"))
 # -march=native: the build is cached per CPU (the key includes the CPU flags below).
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -33,6 +34,11 @@ _SIGNATURES = {
     "paged_decode_attention": [_P] * 6 + [_I] * 6 + [_F, _I64, _I],
     "small_gemm": [_P] * 4 + [_I] * 4,
     "apply_token_bitmask": [_P, _P, _I, _I, _I],
+    "quant_linear": [_I] + [_P] * 6 + [_I] * 4,
+    "quant_linear_available": [],
+    "rms_norm": [_P, _P, _P, _I, _I, _F, _F, _I],
+    "rope_inplace": [_P, _P, _P, _I, _I, _I, _I, _I64, _I],
+    "silu_mul": [_P, _P, _I, _I, _I],
 }
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -50,7 +56,7 @@ def _cpu_signature() -> str:
 
 def _compile(compiler: str) -> Path:
     digest = hashlib.sha256(" ".join([compiler, *_FLAGS, _cpu_signature()]).encode())
-    for source in _SOURCES:
+    for source in _SOURCES + _HEADERS:
         digest.update(source.name.encode() + source.read_bytes())
     target = cache_root() / "kernels" / f"tokenmill-kernels-{digest.hexdigest()[:16]}.so"
     if target.is_file():

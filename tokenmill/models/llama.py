@@ -16,9 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.models import kernels
 from tokenmill.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from tokenmill.models.moe import SparseMoE
 from tokenmill.models.paged_attention import paged_decode_attention
+from tokenmill.models.quant import Quantized, Weight, concatenate, quantize
 
 
 @dataclass
@@ -70,7 +72,9 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op
+        if x.dtype == torch.float32:
+            if _kernel_runs(x):
+                return rms_norm_kernel(x, self.weight, self.eps, 1.0 if self.unit_offset else 0.0)
             scale = 1.0 + self.weight if self.unit_offset else self.weight
             return F.rms_norm(x, (x.shape[-1],), scale, self.eps)
         xf = x.float()
@@ -78,6 +82,36 @@ class RMSNorm(nn.Module):
         if self.unit_offset:  # Gemma scales in fp32, then casts
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)  # Llama casts, then scales
+
+
+def _kernel_runs(x: torch.Tensor) -> bool:
+    """Can the csrc/ elementwise kernels take x (CPU fp32, and they built)?"""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and kernels.library() is not None
+
+
+def rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    """csrc/rms_norm.c: one pass per row, where torch's CPU rms_norm runs five ops."""
+    lib = kernels.library()
+    assert lib is not None
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    lib.rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, offset,
+                 torch.get_num_threads())
+    return y
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope, in place with csrc/activations.c where it runs (x's rows may be strided: a
+    view of the fused qkv output)."""
+    tokens, heads, head_dim = x.shape
+    if not (_kernel_runs(x) and x.stride(2) == 1 and x.stride(1) == head_dim and cos.is_contiguous()):
+        return apply_rope(x, cos, sin)
+    lib = kernels.library()
+    assert lib is not None
+    sin = sin.contiguous()
+    lib.rope_inplace(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, cos.shape[-1],
+                     x.stride(0), torch.get_num_threads())
+    return x
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -128,7 +162,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
         # q and k heads sit side by side: rotate them in one go.
-        q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
         k_cache, v_cache = kv_cache  # [blocks, block_size, kv_heads, head_dim]
@@ -180,7 +214,15 @@ class MLP(nn.Module):
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu and _kernel_runs(gate_up) and gate_up.is_contiguous() and gate_up.shape[-1] % 16 == 0:
+            lib = kernels.library()
+            assert lib is not None
+            out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+            lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1],
+                         gate_up.shape[-1] // 2, torch.get_num_threads())
+            return self.down_proj(out)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -236,10 +278,10 @@ _FUSED = {
 }
 
 
-def fuse_projections(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def fuse_projections(state_dict: dict[str, Weight]) -> dict[str, Weight]:
     """Hugging Face names -> this model's: q/k/v and gate/up weights concatenated."""
     parts = {part for group in _FUSED.values() for part in group}
-    fused: dict[str, torch.Tensor] = {}
+    fused: dict[str, Weight] = {}
     for name, tensor in state_dict.items():
         prefix, _, rest = name.partition(".layers.")
         layer, _, module = rest.partition(".")
@@ -250,8 +292,15 @@ def fuse_projections(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         for target, group in _FUSED.items():
             if module_path == group[0]:
                 sources = [f"{prefix}.layers.{layer}.{g}.{kind}" for g in group]
-                fused[f"{prefix}.layers.{layer}.{target}.{kind}"] = torch.cat([state_dict[s] for s in sources])
+                fused[f"{prefix}.layers.{layer}.{target}.{kind}"] = _concatenate([state_dict[s] for s in sources])
     return fused
+
+
+def _concatenate(parts: list[Weight]) -> Weight:
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)  # type: ignore[arg-type]
+    # A fused group is quantised as a whole: a float part (rare in a quantised file) joins at 8 bits.
+    return concatenate([p if isinstance(p, Quantized) else quantize(p, 8) for p in parts])
 
 
 class CausalLM(nn.Module):
@@ -264,7 +313,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head: nn.Module = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # or QuantizedLinear
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # Layer windows the runner's masks do not carry (it applies cfg.sliding_window only).

@@ -19,6 +19,7 @@ import torch
 from tokenmill.environment import NAMED_MODELS, cache_root, embedded_model_path, named_model_path
 from tokenmill.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from tokenmill.models.gguf_file import read_gguf
+from tokenmill.models.quant import Quantized, Weight
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +39,20 @@ _RUNS = "tokenmill runs fp32/bf16/fp16 safetensors and GGUF files (use the unqua
 class LoadedWeights:
     source: str  # the resolved file or folder
     config: ModelConfig
-    state_dict: dict[str, torch.Tensor]
+    state_dict: dict[str, Weight]  # Quantized: linear weights kept in blocks (load_weights' weight_format)
     tokenizer: Any  # a transformers tokenizer, or None when the source has none
 
 
-def load_weights(model: str | None, tokenizer: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedWeights:
+def load_weights(model: str | None, tokenizer: str | None = None, dtype: torch.dtype = torch.float32,
+                 weight_format: str = "fp32") -> LoadedWeights:
     """`dtype`: the state dict's. Pass the engine's: safetensors weights are converted to it tensor
-    by tensor as they are read, so no whole second copy in another dtype is ever held."""
+    by tensor as they are read, so no whole second copy in another dtype is ever held.
+    `weight_format` (models/quant.py WEIGHT_FORMATS): a GGUF's linear weights that it keeps quantised
+    come as `Quantized` blocks, never dequantised; other sources are quantised when the model is
+    built."""
     path = model_path(model)
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, tokenizer, dtype)
+        return _load_gguf(path, tokenizer, dtype, weight_format)
     if path.is_dir():
         return _load_folder(path, tokenizer, dtype)
     if path.exists():
@@ -92,7 +97,7 @@ def _hub_weight_patterns(folder: Path) -> list[str]:
 def _load_folder(folder: Path, tokenizer: str | None, dtype: torch.dtype) -> LoadedWeights:
     cfg, files = check_folder(folder)
     config = ModelConfig.from_hf(cfg)
-    state_dict = _read_tensors(files, dtype)
+    state_dict: dict[str, Weight] = dict(_read_tensors(files, dtype))
     return LoadedWeights(str(folder), config, state_dict, _load_tokenizer(tokenizer or str(folder)))
 
 
@@ -257,9 +262,9 @@ def _load_tokenizer(source: str, gguf_file: str | None = None) -> Any:
         return None
 
 
-def _load_gguf(path: Path, tokenizer: str | None, dtype: torch.dtype) -> LoadedWeights:
-    cfg, state_dict = read_gguf(path)  # fp32, dequantised
-    state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
+def _load_gguf(path: Path, tokenizer: str | None, dtype: torch.dtype, weight_format: str) -> LoadedWeights:
+    cfg, state_dict = read_gguf(path, weight_format)
+    state_dict = {name: t if isinstance(t, Quantized) else t.to(dtype) for name, t in state_dict.items()}
     tok = _load_tokenizer(tokenizer) if tokenizer else _cached_gguf_tokenizer(path)
     return LoadedWeights(str(path), ModelConfig.from_hf(cfg), state_dict, tok)
 

@@ -13,19 +13,24 @@
  *   context_lens     [num_seqs]               (int64; positions [start, len) are attended)
  * window > 0 limits attention to the last `window` positions (Mistral's sliding window).
  *
- * GCC/Clang vector extensions (8 floats) instead of intrinsics: the same source compiles to
- * AVX2/AVX-512 with -march=native and to plain SSE or NEON elsewhere.
+ * GCC/Clang vector extensions (8 floats, vec8.h) instead of intrinsics: the same source compiles
+ * to AVX2/AVX-512 with -march=native and to plain SSE or NEON elsewhere.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-typedef float vec8 __attribute__((vector_size(32)));
-typedef float vec8u __attribute__((vector_size(32), aligned(4)));  /* for unaligned loads/stores */
-#define LOAD(p) (*(const vec8u *)(p))
+#include "vec8.h"
 
-static inline float sum8(vec8 v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+static inline vec8 dot_partial(const vec8 *qv, const float *k, int n8) {
+    vec8 s0 = {0}, s1 = {0};  /* two chains: the FMA latency is hidden */
+    int i = 0;
+    for (; i + 1 < n8; i += 2) {
+        s0 += qv[i] * LOAD(k + 8 * i);
+        s1 += qv[i + 1] * LOAD(k + 8 * i + 8);
+    }
+    if (i < n8) s0 += qv[i] * LOAD(k + 8 * i);
+    return s0 + s1;
 }
 
 typedef struct {
@@ -52,26 +57,36 @@ static inline void attend_head(const Context *c, const float *q, int D, float sc
     vec8 qv[32], acc[32];  /* head_dim <= 256 */
     const int n8 = D / 8;
     for (int i = 0; i < n8; i++) qv[i] = LOAD(q + 8 * i);
+    vec8 max8 = (vec8){0} - INFINITY;
     float max_score = -INFINITY;
     /* Walk block by block: no division per position (64-bit idiv costs ~40+ cycles). */
     for (int64_t pos = c->start; pos < c->len;) {
         const float *k = row(c, c->k_cache, pos);
         const int64_t end = block_end(c, pos);
+        for (; pos + 8 <= end; pos += 8, k += 8 * c->row_stride) {
+            vec8 partial[8];
+            for (int j = 0; j < 8; j++) partial[j] = dot_partial(qv, k + j * c->row_stride, n8);
+            const vec8 s8 = sum8x8(partial) * scale;
+            *(vec8u *)(scores + pos - c->start) = s8;
+            max8 = select8(s8 > max8, s8, max8);
+        }
         for (; pos < end; pos++, k += c->row_stride) {
-            vec8 s0 = {0}, s1 = {0};  /* two chains: the FMA latency is hidden */
-            int i = 0;
-            for (; i + 1 < n8; i += 2) {
-                s0 += qv[i] * LOAD(k + 8 * i);
-                s1 += qv[i + 1] * LOAD(k + 8 * i + 8);
-            }
-            if (i < n8) s0 += qv[i] * LOAD(k + 8 * i);
-            const float score = sum8(s0 + s1) * scale;
+            const float score = sum8(dot_partial(qv, k, n8)) * scale;
             scores[pos - c->start] = score;
             if (score > max_score) max_score = score;
         }
     }
-    float total = 0.0f;
-    for (int64_t j = 0; j < c->len - c->start; j++) {
+    for (int i = 0; i < 8; i++) max_score = max8[i] > max_score ? max8[i] : max_score;
+    const int64_t n = c->len - c->start;
+    vec8 total8 = {0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const vec8 e = exp8(LOAD(scores + j) - max_score);
+        *(vec8u *)(scores + j) = e;
+        total8 += e;
+    }
+    float total = sum8(total8);
+    for (; j < n; j++) {
         scores[j] = expf(scores[j] - max_score);
         total += scores[j];
     }

@@ -1,0 +1,209 @@
+"""Quantised weights (EngineConfig.weight_format): what they cost in accuracy, what they gain in
+speed, and how they compare with llama.cpp on the same GGUF, measured in one run.
+
+    python benchmarks/quant.py accuracy [--windows 12]      # perplexity + greedy agreement vs fp32
+    python benchmarks/quant.py kernels                      # GMAC/s per layer shape, q4/q8 vs fp32
+    python benchmarks/quant.py llamacpp [--llama-bench PATH] # batch 1, 256 in / 64 out, vs llama-bench
+    python benchmarks/quant.py steady --minutes 30           # one long job: does throughput drift?
+
+llama.cpp comes from `bash benchmarks/setup_llamacpp.sh` (its default build folder is found).
+Every timed number is printed with the CPU seconds other processes used meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.bench.runner import CpuMeter
+from tokenmill.engine import perplexity
+from tokenmill.environment import embedded_model_path
+from tokenmill.models.packed import PackedLinear
+from tokenmill.models.quant import QuantizedLinear, quantize
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "benchmarks" / "corpus.txt"
+LLAMA_BENCH = ROOT / "build" / "llamacpp" / "src" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-bench"
+FORMATS = ("fp32", "q8", "auto")
+
+
+def _other(meter: CpuMeter) -> str:
+    return f"(other processes: {meter.other_seconds()} CPU-s)"
+
+
+def _prompts(tokenizer, n: int, length: int, offset: int = 0) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    ids = tokenizer(CORPUS.read_text(), add_special_tokens=False)["input_ids"]
+    step = (len(ids) - length) // (n + offset)
+    return [ids[(i + offset) * step : (i + offset) * step + length] for i in range(n)]
+
+
+# ---- accuracy ---------------------------------------------------------------------------------
+def accuracy(args: argparse.Namespace) -> dict:
+    text, results, greedy = CORPUS.read_text(), {}, {}
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    for fmt in FORMATS:
+        llm = LLM(args.model, weight_format=fmt)
+        ppl = perplexity(llm.engine, text, window=512, max_windows=args.windows)
+        prompts = [{"prompt_token_ids": p} for p in _prompts(llm.tokenizer, 32, 64)]
+        greedy[fmt] = [o.token_ids for o in llm.generate(prompts, params, progress=False)]
+        results[fmt] = {"perplexity": round(ppl.value, 4), "tokens_scored": ppl.tokens_scored}
+        print(f"{fmt:5s} perplexity {ppl.value:.4f} over {ppl.tokens_scored} tokens", flush=True)
+    for fmt in FORMATS[1:]:
+        same = sum(a == b for a, b in zip(greedy[fmt], greedy["fp32"], strict=True))
+        prefix = statistics.mean(_common_prefix(a, b) for a, b in zip(greedy[fmt], greedy["fp32"], strict=True))
+        change = results[fmt]["perplexity"] / results["fp32"]["perplexity"] - 1
+        results[fmt].update(perplexity_vs_fp32=f"{change:+.2%}", identical_greedy_outputs=f"{same}/32",
+                            mean_agreeing_prefix_tokens=round(prefix, 1))
+        print(f"{fmt:5s} vs fp32: perplexity {change:+.2%}; greedy 32 tokens identical for {same}/32 prompts, "
+              f"first difference after {prefix:.1f} tokens on average")
+    return results
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+# ---- kernels ----------------------------------------------------------------------------------
+SHAPES = [("qkv", 960, 576, 4), ("o", 576, 576, 4), ("gate_up", 3072, 576, 4), ("down", 576, 1536, 4),
+          ("lm_head", 49152, 576, 8)]
+
+
+def _best_seconds(fn, x, reps: int) -> float:  # type: ignore[no-untyped-def]
+    fn(x)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn(x)
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
+def kernels(args: argparse.Namespace) -> dict:
+    torch.manual_seed(0)
+    results = {}
+    meter = CpuMeter()
+    for name, n, k, bits in SHAPES:
+        weight = torch.randn(n, k) * 0.05
+        quantized = QuantizedLinear(quantize(weight, bits))
+        dense = torch.nn.Linear(k, n, bias=False).requires_grad_(False)
+        dense.weight.copy_(weight)
+        fp32 = PackedLinear(dense, 2048, onednn=True, small_batch=True)
+        for m in (1, 8, 32, 64, 256):
+            x = torch.randn(m, k)
+            reps = max(3, int(5e7 / (m * n * k)))
+            tq, tf = _best_seconds(quantized, x, reps), _best_seconds(fp32, x, reps)
+            results[f"{name} M={m}"] = {"q": m * n * k / tq / 1e9, "fp32": m * n * k / tf / 1e9}
+            print(f"{name:8s} {n}x{k} q{bits} M={m:3d}: {m * n * k / tq / 1e9:6.1f} GMAC/s, fp32 "
+                  f"{m * n * k / tf / 1e9:6.1f}  -> {tf / tq:.2f}x", flush=True)
+    print(_other(meter))
+    return results
+
+
+# ---- llama.cpp --------------------------------------------------------------------------------
+def _engine_batch1(model: str | None, fmt: str, runs: int) -> dict:
+    llm = LLM(model, weight_format=fmt, max_num_seqs=1)
+    # Distinct prompts throughout: no run is served from the prefix cache.
+    prompts = [{"prompt_token_ids": p} for p in _prompts(llm.tokenizer, 2 * runs + 1, 256)]
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    full = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:1], full, progress=False)  # warm-up: kernels built, caches touched
+    prefill, e2e = [], []
+    for p in prompts[1 : runs + 1]:
+        t0 = time.perf_counter()
+        llm.generate([p], first, progress=False)
+        prefill.append(time.perf_counter() - t0)
+    for p in prompts[runs + 1 :]:
+        t0 = time.perf_counter()
+        llm.generate([p], full, progress=False)
+        e2e.append(time.perf_counter() - t0)
+    pp, total = statistics.median(prefill), statistics.median(e2e)
+    return {"pp256": 256 / pp, "tg64": 63 / (total - pp), "pp256+tg64": 320 / total}
+
+
+def _llama_bench(binary: Path, model: Path, runs: int) -> dict:
+    out = subprocess.run([str(binary), "-m", str(model), "-p", "256", "-n", "64", "-pg", "256,64", "-t",
+                          str(torch.get_num_threads()), "-r", str(runs), "-o", "json"],
+                         check=True, capture_output=True, text=True).stdout
+    rows = json.loads(out[out.index("[") :])
+    result = {}
+    for row in rows:
+        p, n = row["n_prompt"], row["n_gen"]
+        name = f"pp{p}+tg{n}" if p and n else f"pp{p}" if p else f"tg{n}"
+        result[name] = row["avg_ts"]
+    return result
+
+
+def llamacpp(args: argparse.Namespace) -> dict:
+    binary = Path(args.llama_bench)
+    if not binary.is_file():
+        raise SystemExit(f"{binary}: not built; run `bash benchmarks/setup_llamacpp.sh` first")
+    model = Path(args.model) if args.model else embedded_model_path()
+    results = {}
+    for name, fn in [("llama.cpp", lambda: _llama_bench(binary, model, args.runs)),
+                     *[(f"tokenmill {fmt}", lambda fmt=fmt: _engine_batch1(args.model, fmt, args.runs))
+                       for fmt in ("auto", "fp32")]]:
+        meter = CpuMeter()
+        results[name] = fn()
+        print(f"{name:16s} " + "  ".join(f"{k} {v:7.1f} tok/s" for k, v in results[name].items()),
+              _other(meter), flush=True)
+    for key in ("pp256", "tg64", "pp256+tg64"):
+        print(f"tokenmill auto / llama.cpp, {key}: {results['tokenmill auto'][key] / results['llama.cpp'][key]:.2f}x")
+    per_request = {name: 64 * r["pp256+tg64"] / 320 for name, r in results.items()}
+    print("output tok/s of one 256 in / 64 out request: "
+          + ", ".join(f"{name} {rate:.1f}" for name, rate in per_request.items()))
+    return results
+
+
+# ---- steady -----------------------------------------------------------------------------------
+def steady(args: argparse.Namespace) -> dict:
+    """Batches of 32 × (256 in / 64 out) back to back in one engine for --minutes: output tok/s per
+    batch, then the first five minutes against the last five. The prompts repeat every 8 batches,
+    so the prefix cache is off: every batch computes all of its prompts."""
+    llm = LLM(args.model, weight_format=args.weight_format, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    pool = _prompts(llm.tokenizer, 256, 256)
+    rows, start, i = [], time.perf_counter(), 0
+    while time.perf_counter() - start < args.minutes * 60:
+        batch = [{"prompt_token_ids": pool[(i * 32 + j) % len(pool)][j % 7 :]} for j in range(32)]
+        meter, t0 = CpuMeter(), time.perf_counter()
+        llm.generate(batch, params, progress=False)
+        wall = time.perf_counter() - t0
+        rows.append({"t_min": round((t0 - start) / 60, 2), "out_tok_s": round(32 * 64 / wall, 1),
+                     "other_cpu_s": meter.other_seconds()})
+        print(json.dumps(rows[-1]), flush=True)
+        i += 1
+    first = [r["out_tok_s"] for r in rows if r["t_min"] < 5]
+    last = [r["out_tok_s"] for r in rows if r["t_min"] >= args.minutes - 5]
+    summary = {"first_5_min": statistics.mean(first), "last_5_min": statistics.mean(last), "batches": len(rows)}
+    summary["change"] = f"{summary['last_5_min'] / summary['first_5_min'] - 1:+.1%}"
+    print(json.dumps(summary))
+    return {"summary": summary, "batches": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["accuracy", "kernels", "llamacpp", "steady"])
+    parser.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
+    parser.add_argument("--windows", type=int, default=12, help="accuracy: 512-token windows scored")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--llama-bench", default=str(LLAMA_BENCH))
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--weight-format", default="auto")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    results = {"accuracy": accuracy, "kernels": kernels, "llamacpp": llamacpp, "steady": steady}[args.what](args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

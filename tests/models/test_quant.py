@@ -1,0 +1,206 @@
+"""Quantised weights: the kernel against exact integer arithmetic, GGUF blocks against gguf's own
+dequantisation, and the engine on every cache path against transformers running the same
+quantised linears one prompt at a time."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.models.test_equivalence import _check_cache_paths, _tiny_model
+from tests.reference import TeacherForcedReference
+from tokenmill import LLM
+from tokenmill.engine import perplexity
+from tokenmill.gguf_header import read_gguf_header
+from tokenmill.models import quant
+from tokenmill.models.gguf_file import read_gguf
+from tokenmill.models.loader import load_weights
+from tokenmill.models.quant import Quantized, QuantizedEmbedding, QuantizedLinear, from_gguf_blocks, quantize
+
+needs_kernel = pytest.mark.skipif(not quant.kernel_available(),
+                                  reason="the quantised kernels need AVX2 and a C compiler")
+# What the int8 activations' rounding flips account for (see TeacherForcedReference), measured
+# here: tiny models, a shortfall of at most 0.69 logits and 0.0063 on average (q8: none at all);
+# SmolLM2 (logits ~30) on random-token prompts, 0.73 and 0.015. A tiny Llama with one layer's
+# v_proj scaled by 1.3 averaged 0.045: the mean bounds catch what the per-step bounds cannot.
+TINY_TOLERANCE, TINY_MEAN = 1.0, 0.02
+SMOLLM2_TOLERANCE, SMOLLM2_MEAN = 1.5, 0.05
+CORPUS = Path(__file__).resolve().parents[2] / "benchmarks" / "corpus.txt"
+
+
+def _integer_reference(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the kernel must compute: x rounded to int8 per block of 32 (scale = max|x| / 127),
+    integer block dot products, then the scales (and the 4-bit minimum against the block's sum)."""
+    m, k = x.shape
+    xb = x.double().reshape(m, k // 32, 32)
+    d = xb.abs().amax(-1) / 127
+    xq = torch.round(xb / torch.where(d > 0, d, 1)[..., None])
+    dots = torch.einsum("mbk,nbk->mnb", xq, w.q.double().reshape(w.shape[0], k // 32, 32))
+    y = (dots * d[:, None, :] * w.scale.double()[None]).sum(-1)
+    if w.min is not None:
+        y += (xb.sum(-1)[:, None, :] * w.min.double()[None]).sum(-1)
+    return y if bias is None else y + bias.double()
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 8, 32), (3, 40, 64), (4, 16, 96), (7, 136, 320), (130, 24, 64)])
+def test_kernel_computes_the_integer_block_dot_products(bits: int, m: int, n: int, k: int) -> None:
+    torch.manual_seed(m * n + k)
+    w, x = quantize(torch.randn(n, k), bits), torch.randn(m, k) * 3
+    x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
+    for bias in (None, torch.randn(n)):
+        got = QuantizedLinear(w, bias)(x).double()
+        want = _integer_reference(x, w, bias)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), f"{bits}-bit {m}x{n}x{k}"
+
+
+def test_quantize_round_trips_within_half_a_step() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(16, 64)
+    for bits, levels in ((8, 254), (4, 15)):
+        q = quantize(weight, bits)
+        blocks = weight.reshape(16, 2, 32)
+        step = (blocks.amax(-1) - blocks.amin(-1) if bits == 4 else 2 * blocks.abs().amax(-1)) / levels
+        error = (q.dequantize() - weight).abs().reshape(16, 2, 32).amax(-1)
+        assert (error <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_embedding_rows_read_from_the_packed_layout(bits: int) -> None:
+    torch.manual_seed(1)
+    w = quantize(torch.randn(48, 96), bits)
+    ids = torch.tensor([[0, 47, 9], [8, 15, 9]])
+    assert torch.equal(QuantizedEmbedding(QuantizedLinear(w))(ids), w.dequantize()[ids])
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_become_quantized_weights_exactly(ggml_type: str) -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from gguf.quants import quantize as gguf_quantize
+
+    kind = GGMLQuantizationType[ggml_type]
+    values = np.random.default_rng(0).standard_normal((24, 128)).astype(np.float32)
+    blocks = gguf_quantize(values, kind)
+    got = from_gguf_blocks(blocks, ggml_type, 24, 128)
+    assert got is not None and got.bits == (8 if ggml_type == "Q8_0" else 4)
+    assert torch.equal(got.dequantize(), torch.from_numpy(dequantize(blocks, kind)))
+
+
+def test_gemma3_q4_k_blocks_become_quantized_weights_exactly(gemma3_gguf_path: Path) -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    header = read_gguf_header(gemma3_gguf_path)
+    info = next(t for t in header.tensors.values() if GGMLQuantizationType(t.ggml_type).name == "Q4_K")
+    data = np.memmap(gemma3_gguf_path, dtype=np.uint8, mode="r")
+    raw = np.asarray(data[info.data_offset : info.data_offset + info.n_bytes]).reshape(info.shape[1], -1)
+    got = from_gguf_blocks(raw, "Q4_K", info.shape[1], info.shape[0])
+    assert got is not None and got.bits == 4
+    want = dequantize(raw, GGMLQuantizationType.Q4_K)
+    assert torch.allclose(got.dequantize(), torch.from_numpy(want), rtol=0, atol=1e-6), info.name
+
+
+def test_weight_format_decides_what_stays_quantized() -> None:
+    proj, head = "model.layers.0.mlp.down_proj.weight", "lm_head.weight"
+    assert quant.target_bits("auto", proj, "Q4_1") == 4
+    assert quant.target_bits("auto", proj, "Q6_K") == 8
+    assert quant.target_bits("auto", proj, "F16") is None
+    assert quant.target_bits("q4", head, "F32") == 8  # the logits' layer stays 8 bits
+    assert quant.target_bits("q4", head, "Q4_K") == 4  # unless the file has it in 4
+    assert quant.target_bits("q8", "model.norm.weight", "F32") is None
+    assert quant.target_bits("fp32", proj, "Q4_1") is None
+
+
+# ---- the engine -----------------------------------------------------------------------------
+def _quantized_reference(model: torch.nn.Module, weights: dict[str, Quantized]) -> torch.nn.Module:
+    """A copy of the transformers model whose linears (and embedding) run `weights` with our
+    kernel: the same numbers as the engine, computed one prompt at a time with transformers' own
+    contiguous KV cache."""
+    model = copy.deepcopy(model)
+    quant.install_quantized(model, weights)
+    return model
+
+
+def _folder_weights_as(model: torch.nn.Module, setting: str) -> dict[str, Quantized]:
+    out = {}
+    for name, tensor in model.state_dict().items():
+        bits = quant.target_bits(setting, name, "F32", tensor.dim())
+        if bits is not None:
+            out[name] = quantize(tensor, bits)
+    return out
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "qwen2_moe"])
+@pytest.mark.parametrize("setting", ["q4", "q8"])
+def test_quantized_tiny_models_match_transformers_on_every_cache_path(arch: str, setting: str, tmp_path: Path) -> None:
+    model = _tiny_model(arch)
+    model.save_pretrained(tmp_path)
+    weights = load_weights(str(tmp_path))
+    reference = _quantized_reference(model, _folder_weights_as(model, setting))
+
+    def make_llm(**overrides: int) -> LLM:
+        return LLM(weights=weights, weight_format=setting, block_size=4, max_num_seqs=8, **overrides)
+
+    layers = [m for m in make_llm().engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert {m.bits for m in layers} == ({4, 8} if setting == "q4" else {8})  # 8: the lm_head
+    checker = TeacherForcedReference(reference, TINY_TOLERANCE)
+    _check_cache_paths(make_llm, checker, vocab=512)
+    checker.assert_mean_shortfall_within(TINY_MEAN)
+
+
+@needs_kernel
+def test_smollm2_keeps_its_gguf_blocks_and_matches_transformers_running_them(
+    gguf_path: Path, smollm_reference: torch.nn.Module
+) -> None:
+    """auto keeps the file's Q4_1 layers and Q8_0 embedding, in little more memory than the file,
+    and the engine's greedy output on every cache path equals transformers running those blocks
+    (which also checks the q/k rows llama.cpp permutes come back in order)."""
+    llm = LLM(str(gguf_path), block_size=4, max_num_seqs=8)
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 4 * model.config.num_hidden_layers + 1
+    assert model.lm_head is model.model.embed_tokens.table and model.lm_head.bits == 8
+    tensors = {**dict(model.named_parameters()), **{n: b for n, b in model.named_buffers() if "rope" not in n}}
+    resident = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert resident <= 1.3 * gguf_path.stat().st_size
+
+    _, state = read_gguf(gguf_path, "auto")
+    blocks = {k: v for k, v in state.items() if isinstance(v, Quantized)}
+    blocks["lm_head.weight"] = blocks["model.embed_tokens.weight"]  # tied
+    reference = _quantized_reference(smollm_reference, blocks)
+    checker = TeacherForcedReference(reference, SMOLLM2_TOLERANCE)
+    _check_cache_paths(lambda **o: LLM(str(gguf_path), block_size=4, max_num_seqs=8, **o), checker,
+                       vocab=model.config.vocab_size)
+    checker.assert_mean_shortfall_within(SMOLLM2_MEAN)
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_smollm2_perplexity_cost_of_keeping_4_bit_blocks(gguf_path: Path, smollm_weights) -> None:  # type: ignore[no-untyped-def]
+    """The 4-bit path's only loss against the dequantised file is the int8 activations. On the
+    whole corpus `benchmarks/quant.py accuracy` measures it against the documented 2%; on the 4
+    windows here it measured +2.6% on 2 and +1.6% on 6, so this guards the bound with room for
+    the sample (a broken kernel or block layout lands at many times the perplexity)."""
+    text = CORPUS.read_text()
+    exact = perplexity(LLM(weights=smollm_weights).engine, text, window=512, max_windows=4)
+    kept = perplexity(LLM(str(gguf_path), weight_format="auto").engine, text, window=512, max_windows=4)
+    assert kept.tokens_scored == exact.tokens_scored == 1024
+    assert exact.value < kept.value * 1.005  # quantising activations does not help, beyond noise
+    assert kept.value <= exact.value * 1.04
+
+
+def test_fp32_setting_and_machines_without_the_kernel(gguf_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = LLM(str(gguf_path), weight_format="fp32").engine.runner.model
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+    monkeypatch.setattr(quant, "kernel_available", lambda: False)
+    with pytest.raises(ValueError, match="weight_format='q4' needs a CPU with AVX2"):
+        LLM(str(gguf_path), weight_format="q4")
+    assert LLM(str(gguf_path)).engine.weight_format == "fp32"  # auto falls back

@@ -1,0 +1,41 @@
+"""Perplexity of the engine's model on a text: what a weight format costs in accuracy.
+
+The text is cut into windows of `window` tokens, each scored from its own start (no carried
+context), the way llama.cpp's `llama-perplexity` does; the first half of each window is context
+only, so every scored token sees at least `window / 2` tokens before it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.model_runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    value: float
+    tokens_scored: int
+    windows: int
+
+
+def perplexity(engine: LLMEngine, text: str, window: int = 512, max_windows: int | None = None) -> Perplexity:
+    ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    starts = list(range(0, len(ids) - window + 1, window))[:max_windows]
+    if not starts:
+        raise ValueError(f"the text has {len(ids)} tokens: fewer than one window of {window}")
+    bs = engine.config.block_size
+    runner = ModelRunner(engine.runner.model, -(-window // bs), bs, engine.eos_token_ids, engine.device)
+    nll, scored = 0.0, 0
+    for start in starts:
+        tokens = ids[start : start + window]
+        logprobs = torch.log_softmax(runner.prompt_logits(tokens).float(), dim=-1)
+        half = window // 2
+        targets = torch.tensor(tokens[half:])
+        nll -= logprobs[half - 1 : -1].gather(1, targets[:, None]).sum().item()
+        scored += len(targets)
+    return Perplexity(math.exp(nll / scored), scored, len(starts))

@@ -1,0 +1,219 @@
+/* y = x · Wᵀ (+ bias) with W kept quantised in blocks of 32 along K (CPU, AVX2).
+ *
+ * Why this exists: dequantised to fp32, the embedded 4-bit model is 5x larger in memory, and a
+ * decode step reads all of it; here a step reads the 4- or 8-bit blocks. The activations are
+ * quantised to int8 per row and per block of 32 on the way in (as llama.cpp does), so the inner
+ * loop is integer dot products (`maddubs`), which also beat fp32 FMA on compute at prefill size.
+ *
+ * Weight layouts (built by tokenmill/models/quant.py, `pack_q4` / `pack_q8`), for each group
+ * of 8 output columns and each block of 32 along K:
+ *   q8: int8  [N/8][K/32][8 vectors][8 cols][4 k]    value = scale · q,  q in [-127, 127]
+ *   q4: uint8 [N/8][K/32][4 vectors][8 cols][4 k]    two nibbles per byte: vector p holds k-group p
+ *       in its low nibbles and k-group p+4 in its high ones;  value = scale · q + min,  q in [0, 15]
+ *   scale, min: fp32 [N/8][K/32][8 cols]
+ * A 32-byte vector is 8 columns × 4 consecutive k: one maddubs against the row's 4 int8
+ * activations broadcast gives each column's partial dot product in its own 32-bit lane, so no
+ * horizontal sums are needed.
+ *
+ * Activations: x fp32 [M, K] is quantised into scratch of the calling thread: xq int8 [M, K],
+ * xs (scale) and xsum (the block's exact fp32 sum, for the q4 min term) fp32 [M, K/32].
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+
+#define BLOCK 32
+#define ROW_TILE 4    /* rows per micro-kernel call: accumulators stay in the 16 ymm registers */
+#define Q4_ROW_TILE 3 /* 4 spills there (the nibble unpacking needs registers of its own) */
+#define ROW_CHUNK 64  /* rows whose quantised activations stay in L2 while the weights stream */
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* Each block of 32: scale = max|x| / 127, q = round-to-nearest-even(x / scale), and the exact sum. */
+static void quantize_row(const float *x, int8_t *q, float *scale, float *sum, int K) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < K / BLOCK; b++) {
+        const float *xb = x + b * BLOCK;
+        __m256 v[4], amax = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+            total = _mm256_add_ps(total, v[i]);
+        }
+        const float d = hmax(amax) / 127.f;
+        const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+        __m256i n[4];
+        for (int i = 0; i < 4; i++) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  /* MXCSR: to nearest even */
+        /* int32 -> int8, in order: packs interleave the 128-bit lanes, the permute undoes it. */
+        const __m256i n16 = _mm256_packs_epi32(n[0], n[1]), m16 = _mm256_packs_epi32(n[2], n[3]);
+        const __m256i n8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(n16, m16),
+                                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + b * BLOCK), n8);
+        scale[b] = d;
+        sum[b] = hsum(total);
+    }
+}
+
+static inline __m256i broadcast4(const int8_t *p) {
+    int32_t four;
+    memcpy(&four, p, 4);
+    return _mm256_set1_epi32(four);
+}
+
+/* R rows (<= ROW_TILE) × one 8-column group of 4-bit weights. */
+static inline __attribute__((always_inline)) void q4_tile(
+    const int8_t *xq, const float *xs, const float *xsum, const uint8_t *w, const float *ws,
+    const float *wm, const float *bias, float *y, int K, int N, const int R) {
+    const int KB = K / BLOCK;
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[ROW_TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int kb = 0; kb < KB; kb++) {
+        const uint8_t *wp = w + (int64_t)kb * 128;
+        __m256i sums[ROW_TILE];
+        for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++) {
+            const __m256i packed = _mm256_loadu_si256((const __m256i *)(wp + 32 * p));
+            const __m256i lo = _mm256_and_si256(packed, low);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+            for (int r = 0; r < R; r++) {
+                const int8_t *xr = xq + (int64_t)r * K + kb * BLOCK;
+                /* 15 · 127 · 2 per lane and step, eight steps: fits int16 (30480). */
+                sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(lo, broadcast4(xr + 4 * p)));
+                sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, broadcast4(xr + 4 * p + 16)));
+            }
+        }
+        const __m256 scale = _mm256_loadu_ps(ws + kb * 8), min = _mm256_loadu_ps(wm + kb * 8);
+        for (int r = 0; r < R; r++) {
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
+            acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(xs[r * KB + kb])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(xsum[r * KB + kb]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        if (bias) acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(bias));
+        _mm256_storeu_ps(y + (int64_t)r * N, acc[r]);
+    }
+}
+
+/* R rows × one 8-column group of 8-bit weights: maddubs needs one unsigned side, so |w| against
+ * x carrying w's sign (the product is unchanged). */
+static inline __attribute__((always_inline)) void q8_tile(
+    const int8_t *xq, const float *xs, const int8_t *w, const float *ws, const float *bias,
+    float *y, int K, int N, const int R) {
+    const int KB = K / BLOCK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[ROW_TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int kb = 0; kb < KB; kb++) {
+        const int8_t *wp = w + (int64_t)kb * 256;
+        __m256i sums[ROW_TILE];
+        for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
+        for (int v = 0; v < 8; v++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(wp + 32 * v));
+            const __m256i wabs = _mm256_sign_epi8(wv, wv);
+            for (int r = 0; r < R; r++) {
+                const __m256i xv = _mm256_sign_epi8(broadcast4(xq + (int64_t)r * K + kb * BLOCK + 4 * v), wv);
+                /* 127 · 127 · 2 fits int16 once; widen before adding. */
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xv), ones));
+            }
+        }
+        const __m256 scale = _mm256_loadu_ps(ws + kb * 8);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]),
+                                     _mm256_mul_ps(scale, _mm256_set1_ps(xs[r * KB + kb])), acc[r]);
+    }
+    for (int r = 0; r < R; r++) {
+        if (bias) acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(bias));
+        _mm256_storeu_ps(y + (int64_t)r * N, acc[r]);
+    }
+}
+
+#define TILE_SWITCH(CALL, TILE)            \
+    switch (rows < TILE ? rows : TILE) {   \
+        case 1: CALL(1); break;            \
+        case 2: CALL(2); break;            \
+        case 3: CALL(3); break;            \
+        default: CALL(4); break;           \
+    }
+
+int quant_linear_available(void) { return 1; }
+
+/* The quantised activations: one buffer per calling thread (engines on several Python threads
+ * each have their own), grown as needed and kept, so a step allocates nothing. */
+static __thread int8_t *scratch;
+static __thread size_t scratch_bytes;
+
+static int8_t *activation_scratch(size_t bytes) {
+    if (bytes > scratch_bytes) {
+        free(scratch);
+        scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        scratch_bytes = scratch ? bytes : 0;
+    }
+    return scratch;
+}
+
+/* bits: 4 or 8 (wm unused for 8). Returns 0, -1 when N is not a multiple of 8, K of 32, or
+ * bits is neither, -3 when out of memory. */
+int quant_linear(int bits, const float *x, const void *w, const float *ws, const float *wm,
+                 const float *bias, float *y, int M, int N, int K, int num_threads) {
+    if (N % 8 != 0 || K % BLOCK != 0 || (bits != 4 && bits != 8)) return -1;
+    const int KB = K / BLOCK, groups = N / 8;
+    int8_t *xq = activation_scratch((size_t)M * K + 2 * sizeof(float) * M * KB);
+    if (!xq) return -3;
+    float *xs = (float *)(xq + (size_t)M * K), *xsum = xs + (size_t)M * KB;  /* K % 32 == 0: aligned */
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int m = 0; m < M; m++)
+            quantize_row(x + (int64_t)m * K, xq + (int64_t)m * K, xs + (int64_t)m * KB, xsum + (int64_t)m * KB, K);
+        for (int m0 = 0; m0 < M; m0 += ROW_CHUNK) {
+            const int m1 = m0 + ROW_CHUNK < M ? m0 + ROW_CHUNK : M;
+#pragma omp for schedule(static)
+            for (int g = 0; g < groups; g++) {
+                const float *gs = ws + (int64_t)g * KB * 8, *gm = wm ? wm + (int64_t)g * KB * 8 : 0;
+                const float *gb = bias ? bias + 8 * g : 0;
+                const int tile = bits == 4 ? Q4_ROW_TILE : ROW_TILE;
+                for (int m = m0; m < m1; m += tile) {
+                    const int rows = m1 - m;
+                    const int8_t *xm = xq + (int64_t)m * K;
+                    const float *sm = xs + (int64_t)m * KB, *tm = xsum + (int64_t)m * KB;
+                    float *ym = y + (int64_t)m * N + 8 * g;
+                    if (bits == 4) {
+                        const uint8_t *gw = (const uint8_t *)w + (int64_t)g * KB * 128;
+#define Q4(R) q4_tile(xm, sm, tm, gw, gs, gm, gb, ym, K, N, R)
+                        TILE_SWITCH(Q4, Q4_ROW_TILE)
+                    } else {
+                        const int8_t *gw = (const int8_t *)w + (int64_t)g * KB * 256;
+#define Q8(R) q8_tile(xm, sm, gw, gs, gb, ym, K, N, R)
+                        TILE_SWITCH(Q8, ROW_TILE)
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+#else  /* no AVX2: the library still builds (its other kernels), and Python keeps fp32 weights */
+int quant_linear_available(void) { return 0; }
+
+int quant_linear(int bits, const float *x, const void *w, const float *ws, const float *wm,
+                 const float *bias, float *y, int M, int N, int K, int num_threads) {
+    return -2;
+}
+#endif

@@ -1,0 +1,23 @@
+/* y = x / sqrt(mean(x²) + eps) · (offset + w), row by row (CPU, fp32).
+ *
+ * Why this exists: on CPU, torch's rms_norm runs as five separate ops (pow, mean, add, rsqrt,
+ * mul), about 60 µs a call at decode sizes; a step of a 30-layer model makes 61 of them. This is
+ * one pass per row. offset is 1 for Gemma's (1 + w) scale, else 0.
+ */
+#include <math.h>
+#include <stdint.h>
+
+int rms_norm(const float *x, const float *w, float *y, int M, int K, float eps, float offset,
+             int num_threads) {
+    if (K <= 0) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M >= 16)
+    for (int m = 0; m < M; m++) {
+        const float *xm = x + (int64_t)m * K;
+        float *ym = y + (int64_t)m * K;
+        float sum = 0.f;
+        for (int k = 0; k < K; k++) sum += xm[k] * xm[k];
+        const float inv = 1.f / sqrtf(sum / K + eps);
+        for (int k = 0; k < K; k++) ym[k] = xm[k] * inv * (offset + w[k]);
+    }
+    return 0;
+}

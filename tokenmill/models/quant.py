@@ -1,0 +1,278 @@
+"""Weights kept quantised in memory: blocks of 32 along the input dimension, run by
+csrc/quant_gemm.c.
+
+Two formats, both with an fp32 scale per block (and, for 4 bits, an fp32 minimum):
+- q8: value = scale · q, q in [-127, 127] (llama.cpp's Q8_0; Q4_0 fits it exactly too);
+- q4: value = scale · q + min, q in [0, 15] (Q4_0, Q4_1 and Q4_K's sub-blocks all fit exactly).
+A GGUF's blocks of those types become these without a round trip through fp32; anything else
+(fp32/bf16 weights, other GGUF types) is quantised from fp32 at load (`quantize`).
+
+`Quantized` is the unpacked form the loader hands over (one value per byte, rows in the
+Hugging Face order, so q/k rows can be permuted and q/k/v concatenated like fp32 weights).
+`QuantizedLinear` packs it once into the kernel's layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenmill.models import kernels
+
+BLOCK = 32
+WEIGHT_FORMATS = ("auto", "fp32", "q8", "q4")
+_FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
+_FLOAT = ("F32", "F16", "BF16", "F64")
+# Weights read by a token id, or producing the logits: kept at 8 bits under q4 (as llama.cpp's
+# 4-bit presets keep the output layer wider) unless the file already has them in 4 bits.
+EMBEDDING_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass
+class Quantized:
+    """A [N, K] weight: q uint8 (4 bits) or int8 (8 bits) [N, K]; scale (and min, 4 bits only)
+    fp32 [N, K / 32]."""
+
+    bits: int
+    q: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:  # (out_features N, in_features K)
+        return (self.q.shape[0], self.q.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.shape
+        blocks = self.q.reshape(n, k // BLOCK, BLOCK).float() * self.scale[..., None]
+        if self.min is not None:
+            blocks = blocks + self.min[..., None]
+        return blocks.reshape(n, k)
+
+    def permute_rows(self, order: torch.Tensor) -> Quantized:
+        return Quantized(self.bits, self.q[order], self.scale[order], None if self.min is None else self.min[order])
+
+
+Weight = torch.Tensor | Quantized  # a state dict's value once the loader may keep blocks
+
+
+def target_bits(setting: str, name: str, source_type: str, ndim: int = 2) -> int | None:
+    """The bits a weight is kept in under `setting` (None: fp32). `source_type`: its GGUF type name
+    ("Q4_K", "F16", ...), "F32" for safetensors weights. auto keeps a quantised file quantised:
+    4-bit types in 4 bits (exactly), Q8_0 in 8 (exactly), other types (Q5, Q6_K...) in 8."""
+    if setting == "fp32" or ndim != 2 or not (name.endswith("_proj.weight") or name in EMBEDDING_NAMES):
+        return None
+    if setting == "auto":
+        return None if source_type in _FLOAT else 4 if source_type in _FOUR_BIT else 8
+    if setting == "q4" and (name not in EMBEDDING_NAMES or source_type in _FOUR_BIT):
+        return 4
+    return 8
+
+
+def quantize_linear_weights(state: dict[str, Weight], setting: str) -> dict[str, Weight]:
+    """fp32 linear weights quantised as `setting` asks (weights from a safetensors folder, or a
+    GGUF's float tensors); shapes the kernel cannot take stay fp32."""
+    out = dict(state)
+    for name, tensor in state.items():
+        if isinstance(tensor, torch.Tensor):
+            bits = target_bits(setting, name, "F32", tensor.dim())
+            if bits is not None and fits_kernel(*tensor.shape):
+                out[name] = quantize(tensor, bits)
+    return out
+
+
+def quantize(weight: torch.Tensor, bits: int) -> Quantized:
+    """Round-to-nearest blocks of 32: symmetric for 8 bits (Q8_0), min/max for 4 bits (Q4_1)."""
+    n, k = weight.shape
+    blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    if bits == 8:
+        scale = blocks.abs().amax(-1) / 127
+        q = torch.round(blocks / torch.where(scale > 0, scale, 1)[..., None]).clamp(-127, 127)
+        return Quantized(8, q.to(torch.int8).reshape(n, k), scale)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    scale = (high - low) / 15
+    q = torch.round((blocks - low[..., None]) / torch.where(scale > 0, scale, 1)[..., None]).clamp(0, 15)
+    return Quantized(4, q.to(torch.uint8).reshape(n, k), scale, low)
+
+
+def concatenate(parts: list[Quantized]) -> Quantized:
+    """Stacked along N (fused q/k/v or gate/up). Mixed widths meet at 8 bits: a 4-bit part is
+    requantised (its values fit 8 bits up to the rounding of an asymmetric grid)."""
+    if len({p.bits for p in parts}) > 1:
+        parts = [p if p.bits == 8 else quantize(p.dequantize(), 8) for p in parts]
+    mins = [p.min for p in parts]
+    return Quantized(
+        parts[0].bits, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+        None if mins[0] is None else torch.cat([m for m in mins if m is not None]),
+    )
+
+
+def fits_kernel(out_features: int, in_features: int) -> bool:
+    return out_features % 8 == 0 and in_features % BLOCK == 0
+
+
+def kernel_available() -> bool:
+    lib = kernels.library()
+    return lib is not None and bool(lib.quant_linear_available())
+
+
+# ---- the kernel's layouts (see csrc/quant_gemm.c) -------------------------------------------
+def pack_q8(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> [N/8, K/4, 8, 4]."""
+    n, k = q.shape
+    return q.reshape(n // 8, 8, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def pack_q4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] in 0..15 -> [N/8, K/32, 4, 32]: vector p holds k-group p (low nibbles) and
+    k-group p + 4 (high nibbles), each as 8 columns × 4 k."""
+    n, k = q.shape
+    groups = q.reshape(n // 8, 8, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)  # [N/8, KB, group, col, k]
+    return (groups[:, :, :4] | (groups[:, :, 4:] << 4)).reshape(n // 8, k // BLOCK, 4, 32).contiguous()
+
+
+def pack_block_values(values: torch.Tensor) -> torch.Tensor:
+    """scale/min fp32 [N, K/32] -> [N/8, K/32, 8]."""
+    n, kb = values.shape
+    return values.reshape(n // 8, 8, kb).permute(0, 2, 1).contiguous()
+
+
+class QuantizedLinear(nn.Module):
+    """y = x · Wᵀ + bias with W in its packed quantised form; also the embedding table when the
+    weight is one (`rows`)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def __init__(self, quantized: Quantized, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.bits = quantized.bits
+        self.out_features, self.in_features = quantized.shape
+        if not fits_kernel(self.out_features, self.in_features):
+            raise ValueError(f"quantised linear {quantized.shape}: out_features must be a multiple of 8, "
+                             f"in_features of {BLOCK}")
+        self.register_buffer("weight", pack_q4(quantized.q) if self.bits == 4 else pack_q8(quantized.q))
+        self.register_buffer("scale", pack_block_values(quantized.scale))
+        self.register_buffer("min", None if quantized.min is None else pack_block_values(quantized.min))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self._apply(lambda t: t)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        super()._apply(fn, recurse)  # .to() and friends may replace the buffers
+        tensors = (self.weight, self.scale, self.min, self.bias)
+        self._pointers = tuple(None if t is None else t.data_ptr() for t in tensors)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A decode step makes ~120 of these calls: the pointers are read once (see _apply), not
+        # through nn.Module attribute lookups each time.
+        lib = kernels.library()
+        assert lib is not None, "the CPU kernels did not build"
+        lead, k = x.shape[:-1], x.shape[-1]
+        x = x.reshape(-1, k)
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        y = torch.empty(x.shape[0], self.out_features)
+        status = lib.quant_linear(self.bits, x.data_ptr(), *self._pointers, y.data_ptr(),
+                                  x.shape[0], self.out_features, k, torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"quant_linear failed ({status}) for {self.out_features}x{k}, {self.bits} bits")
+        return y.view(*lead, self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 rows `ids` of W (an embedding lookup), unpacked from the kernel layout."""
+        group, col = ids // 8, ids % 8
+        kb = self.in_features // BLOCK
+        if self.bits == 8:
+            q = self.weight[group, :, col, :].reshape(len(ids), kb, BLOCK)  # [T, K/4, 4] -> blocks
+        else:
+            packed = self.weight.view(-1, kb, 4, 8, 4)[group, :, :, col, :]  # [T, KB, 4, 4]
+            q = torch.cat((packed & 0x0F, packed >> 4), dim=2).reshape(len(ids), kb, BLOCK)
+        values = q.float() * self.scale[group, :, col][..., None]
+        if self.min is not None:
+            values = values + self.min[group, :, col][..., None]
+        return values.reshape(len(ids), self.in_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding lookup reading the rows of a QuantizedLinear (the tied lm_head's, or its own)."""
+
+    def __init__(self, table: QuantizedLinear) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids.reshape(-1)).reshape(*ids.shape, self.table.in_features)
+
+
+def install_quantized(model: nn.Module, quantized: dict[str, Quantized]) -> None:
+    """Replace the nn.Linear / nn.Embedding owning each `NAME.weight` by its quantised form (a
+    linear keeps its bias)."""
+    for name, weight in quantized.items():
+        path = name.removesuffix(".weight")
+        parent_path, _, attr = path.rpartition(".")
+        parent, module = model.get_submodule(parent_path), model.get_submodule(path)
+        if isinstance(module, nn.Embedding):
+            setattr(parent, attr, QuantizedEmbedding(QuantizedLinear(weight)))
+        else:
+            assert isinstance(module, nn.Linear), f"{name}: not a linear layer"
+            bias = None if module.bias is None or module.bias.is_meta else module.bias
+            setattr(parent, attr, QuantizedLinear(weight, bias))
+
+
+# ---- from GGUF blocks ---------------------------------------------------------------------
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+
+
+def from_gguf_blocks(raw: np.ndarray, ggml_type: str, n: int, k: int) -> Quantized | None:
+    """Q8_0, Q4_0, Q4_1 and Q4_K row bytes [N, row_bytes] as a Quantized without fp32; None for
+    other types. Layouts as in ggml-common.h."""
+    rows = np.ascontiguousarray(raw).reshape(n, -1)
+    if ggml_type == "Q8_0":  # 2-byte fp16 d, 32 int8
+        b = rows.reshape(n, k // 32, 34)
+        return Quantized(8, _t(b[..., 2:].view(np.int8).reshape(n, k)), _t(_f16(b[..., :2])[..., 0]))
+    if ggml_type in ("Q4_0", "Q4_1"):  # d (and m) fp16, then 16 bytes: element j low nibble, j+16 high
+        head = 2 if ggml_type == "Q4_0" else 4
+        b = rows.reshape(n, k // 32, head + 16)
+        d = _f16(b[..., :2])[..., 0]
+        m = -8 * d if ggml_type == "Q4_0" else _f16(b[..., 2:4])[..., 0]
+        return Quantized(4, _t(_nibbles(b[..., head:], n, k)), _t(d), _t(m))
+    if ggml_type == "Q4_K":
+        return _from_q4_k(rows, n, k)
+    return None
+
+
+def _t(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _nibbles(qs: np.ndarray, n: int, k: int) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] values: low nibbles are elements 0-15, high ones 16-31."""
+    return np.concatenate((qs & 0x0F, qs >> 4), axis=-1).reshape(n, k)
+
+
+def _from_q4_k(rows: np.ndarray, n: int, k: int) -> Quantized:
+    """Super-blocks of 256: fp16 d and dmin, 12 bytes of 6-bit sub-block scales and mins, 128 bytes
+    of nibbles (each 32 bytes hold sub-block 2i in low nibbles, 2i+1 in high). Sub-block j's value
+    is d·sc_j·q − dmin·m_j: a q4 block with scale d·sc_j and min −dmin·m_j, exactly."""
+    b = rows.reshape(n, k // 256, 144)
+    d, dmin = _f16(b[..., 0:2])[..., 0], _f16(b[..., 2:4])[..., 0]
+    packed = b[..., 4:16].astype(np.uint8)
+    sc, mn = np.empty(packed.shape[:-1] + (8,), np.uint8), np.empty(packed.shape[:-1] + (8,), np.uint8)
+    sc[..., :4], mn[..., :4] = packed[..., 0:4] & 63, packed[..., 4:8] & 63
+    sc[..., 4:] = (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)
+    qs = b[..., 16:].reshape(n, k // 256, 4, 32)
+    q = np.stack((qs & 0x0F, qs >> 4), axis=3).reshape(n, k)  # [N, SB, 4 pairs, lo/hi, 32]
+    scale = (d[..., None] * sc).reshape(n, k // 32)
+    low = (-dmin[..., None] * mn).reshape(n, k // 32)
+    return Quantized(4, _t(q), _t(scale.astype(np.float32)), _t(low.astype(np.float32)))
