@@ -114,6 +114,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x
 
 
+def silu_mul_kernel(gate_up: torch.Tensor) -> torch.Tensor:
+    """csrc/activations.c: SiLU(gate) · up from the fused projection's output, in one pass."""
+    lib = kernels.library()
+    assert lib is not None
+    rows, width = gate_up.numel() // gate_up.shape[-1], gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], width)
+    lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width, torch.get_num_threads())
+    return out
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, D]; cos/sin: [T, R] (the half-split layout of Hugging Face Llama). With
     partial rotary (R < D) only the first R dimensions of each head turn."""
@@ -216,12 +226,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.act is F.silu and _kernel_runs(gate_up) and gate_up.is_contiguous() and gate_up.shape[-1] % 16 == 0:
-            lib = kernels.library()
-            assert lib is not None
-            out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
-            lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1],
-                         gate_up.shape[-1] // 2, torch.get_num_threads())
-            return self.down_proj(out)
+            return self.down_proj(silu_mul_kernel(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
