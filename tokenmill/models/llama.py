@@ -73,7 +73,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            if _kernel_runs(x):
+            if kernels.supports(x.device, x.dtype):
                 return rms_norm_kernel(x, self.weight, self.eps, 1.0 if self.unit_offset else 0.0)
             scale = 1.0 + self.weight if self.unit_offset else self.weight
             return F.rms_norm(x, (x.shape[-1],), scale, self.eps)
@@ -82,11 +82,6 @@ class RMSNorm(nn.Module):
         if self.unit_offset:  # Gemma scales in fp32, then casts
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)  # Llama casts, then scales
-
-
-def _kernel_runs(x: torch.Tensor) -> bool:
-    """Can the csrc/ elementwise kernels take x (CPU fp32, and they built)?"""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and kernels.library() is not None
 
 
 def rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
@@ -104,7 +99,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """apply_rope, in place with csrc/activations.c where it runs (x's rows may be strided: a
     view of the fused qkv output)."""
     tokens, heads, head_dim = x.shape
-    if not (_kernel_runs(x) and x.stride(2) == 1 and x.stride(1) == head_dim and cos.is_contiguous()):
+    in_place = x.stride(2) == 1 and x.stride(1) == head_dim and cos.is_contiguous()
+    if not (in_place and kernels.supports(x.device, x.dtype)):
         return apply_rope(x, cos, sin)
     lib = kernels.library()
     assert lib is not None
@@ -225,7 +221,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.act is F.silu and _kernel_runs(gate_up) and gate_up.is_contiguous() and gate_up.shape[-1] % 16 == 0:
+        fused = self.act is F.silu and gate_up.is_contiguous() and gate_up.shape[-1] % 16 == 0
+        if fused and kernels.supports(gate_up.device, gate_up.dtype):
             return self.down_proj(silu_mul_kernel(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
