@@ -37,6 +37,13 @@ class TensorInfo:
     data_offset: int  # absolute position of its first byte in the file
 
     @property
+    def type_name(self) -> str:
+        """Its gguf.GGMLQuantizationType name ("Q4_K", "F32", ...); the reader has checked it is one."""
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(self.ggml_type).name
+
+    @property
     def row_bytes(self) -> int:
         """Bytes of one innermost row (a whole number of quantisation blocks)."""
         return self.n_bytes // (self.n_elements // self.shape[0]) if self.n_elements else 0

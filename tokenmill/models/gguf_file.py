@@ -84,7 +84,7 @@ def read_gguf(path: Path, weight_format: str = "fp32") -> tuple[dict[str, Any], 
         if name == ROPE_FREQS:
             continue  # in the config as rope_freq_factors
         hf_name = _hf_name(name, arch)
-        bits = target_bits(weight_format, hf_name, _type_name(info), len(info.shape))
+        bits = target_bits(weight_format, hf_name, info.type_name, len(info.shape))
         if bits is None or not fits_kernel(*reversed(info.shape)):
             state_dict[hf_name] = _hf_tensor(info, data, hf_name, arch, config)
         else:
@@ -132,16 +132,15 @@ def _hf_tensor(info: TensorInfo, data: np.ndarray, hf_name: str, arch: str, conf
         # transformers' loader subtracts it, so the two agree bit for bit.
         array = array - np.float32(1.0)
     weight = torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy
-    if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-        heads = config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"]
-        weight = _unpermute(weight, heads)
-    return weight
+    heads = _permuted_heads(hf_name, arch, config)
+    return weight if heads is None else _unpermute(weight, heads)
 
 
-def _type_name(info: TensorInfo) -> str:
-    from gguf import GGMLQuantizationType
-
-    return GGMLQuantizationType(info.ggml_type).name
+def _permuted_heads(hf_name: str, arch: str, config: dict[str, Any]) -> int | None:
+    """The heads of a q/k projection llama.cpp stored permuted (llama architecture only), else None."""
+    if arch != "llama" or not hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        return None
+    return config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"]
 
 
 def _hf_quantized(info: TensorInfo, data: np.ndarray, hf_name: str, arch: str, config: dict[str, Any],
@@ -149,13 +148,11 @@ def _hf_quantized(info: TensorInfo, data: np.ndarray, hf_name: str, arch: str, c
     """The weight as `bits`-bit blocks: the file's own where its type maps exactly, otherwise
     quantised from its fp32 values."""
     n, k = info.shape[1], info.shape[0]  # GGUF shapes are innermost first
-    quantized = from_gguf_blocks(_tensor_bytes(info, data), _type_name(info), n, k)
+    quantized = from_gguf_blocks(_tensor_bytes(info, data), info.type_name, n, k)
     if quantized is None or quantized.bits != bits:
-        quantized = quantize(_hf_tensor(info, data, hf_name, arch, config), bits)
-    elif arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-        heads = config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"]
-        quantized = quantized.permute_rows(_unpermute(torch.arange(n)[:, None], heads)[:, 0])
-    return quantized
+        return quantize(_hf_tensor(info, data, hf_name, arch, config), bits)
+    heads = _permuted_heads(hf_name, arch, config)
+    return quantized if heads is None else quantized.permute_rows(_unpermute(torch.arange(n)[:, None], heads)[:, 0])
 
 
 def gguf_config(header: GGUFHeader) -> dict[str, Any]:

@@ -88,7 +88,7 @@ def _describe_gguf(header: GGUFHeader) -> ModelInfo:
         source=str(header.path),
         name=str(header.metadata.get("general.name") or header.path.stem),
         format=f"GGUF v{header.version}",
-        tensor_types=_most_first(_ggml_type_name(t.ggml_type) for t in tensors),
+        tensor_types=_most_first(t.type_name for t in tensors),
         family=header.metadata.get("general.architecture"),
         model_type=model_type,
         architecture=_transformers_class(model_type),
@@ -175,12 +175,6 @@ def _or_none(read: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
 
 def _most_first(names: Iterable[str]) -> dict[str, int]:
     return dict(Counter(names).most_common())
-
-
-def _ggml_type_name(ggml_type: int) -> str:
-    from gguf import GGMLQuantizationType
-
-    return GGMLQuantizationType(ggml_type).name  # the header reader has checked it is one
 
 
 def _transformers_class(model_type: str | None) -> str | None:
