@@ -3,7 +3,7 @@ speed, and how they compare with llama.cpp on the same GGUF, measured in one run
 
     python benchmarks/quant.py accuracy [--windows 12]      # perplexity + greedy agreement vs fp32
     python benchmarks/quant.py kernels                      # GMAC/s per layer shape, q4/q8 vs fp32
-    python benchmarks/quant.py llamacpp [--llama-bench PATH] # batch 1, 256 in / 64 out, vs llama-bench
+    python benchmarks/quant.py llamacpp [--rounds 3]         # batch 1, llama-bench's pp256/tg64 tests
     python benchmarks/quant.py steady --minutes 30           # one long job: does throughput drift?
 
 llama.cpp comes from `bash benchmarks/setup_llamacpp.sh` (its default build folder is found).
@@ -107,25 +107,32 @@ def kernels(args: argparse.Namespace) -> dict:
     return results
 
 
-# ---- llama.cpp --------------------------------------------------------------------------------
-def _engine_batch1(model: str | None, fmt: str, runs: int) -> dict:
-    llm = LLM(model, weight_format=fmt, max_num_seqs=1)
-    # Distinct prompts throughout: no run is served from the prefix cache.
-    prompts = [{"prompt_token_ids": p} for p in _prompts(llm.tokenizer, 2 * runs + 1, 256)]
-    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+# ---- llama.cpp ----------------------------------------------------------------------------------
+# llama-bench's tests: pp256 (one 256-token prompt), tg64 (64 tokens generated one at a time from
+# an empty context), pp256+tg64 (both, as one rate over 320 tokens).
+KEYS = ("pp256", "tg64", "pp256+tg64")
+
+
+def _engine_batch1(llm: LLM, runs: int, offset: int) -> dict:
+    """llama-bench's three tests on the engine, median of `runs`, read from each request's own
+    timestamps: pp256 from scheduling to the first token, tg64 from scheduling a 1-token prompt to
+    its 64th token, pp256+tg64 wall time around generate. Also tg64 after the 256-token prompt."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts(llm.tokenizer, 2 * runs, 256, offset)]
     full = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    llm.generate(prompts[:1], full, progress=False)  # warm-up: kernels built, caches touched
-    prefill, e2e = [], []
-    for p in prompts[1 : runs + 1]:
+    pp, tg, e2e, tg_after = [], [], [], []
+    for i in range(runs):
         t0 = time.perf_counter()
-        llm.generate([p], first, progress=False)
-        prefill.append(time.perf_counter() - t0)
-    for p in prompts[runs + 1 :]:
-        t0 = time.perf_counter()
-        llm.generate([p], full, progress=False)
-        e2e.append(time.perf_counter() - t0)
-    pp, total = statistics.median(prefill), statistics.median(e2e)
-    return {"pp256": 256 / pp, "tg64": 63 / (total - pp), "pp256+tg64": 320 / total}
+        timings = llm.generate([prompts[i]], full, progress=False)[0].timings
+        e2e.append(320 / (time.perf_counter() - t0))
+        assert timings.scheduled and timings.first_token and timings.finished
+        pp.append(256 / (timings.first_token - timings.scheduled))
+        tg_after.append(63 / (timings.finished - timings.first_token))
+        timings = llm.generate([{"prompt_token_ids": prompts[runs + i]["prompt_token_ids"][:1]}], full,
+                               progress=False)[0].timings
+        assert timings.scheduled and timings.finished
+        tg.append(64 / (timings.finished - timings.scheduled))
+    median = statistics.median
+    return {"pp256": median(pp), "tg64": median(tg), "pp256+tg64": median(e2e), "tg64 after pp256": median(tg_after)}
 
 
 def _llama_bench(binary: Path, model: Path, runs: int) -> dict:
@@ -142,24 +149,33 @@ def _llama_bench(binary: Path, model: Path, runs: int) -> dict:
 
 
 def llamacpp(args: argparse.Namespace) -> dict:
+    """Rounds of llama-bench then the engine, back to back: this machine's speed drifts by ±15%
+    over minutes, so each round's ratio compares the two under the same conditions."""
     binary = Path(args.llama_bench)
     if not binary.is_file():
         raise SystemExit(f"{binary}: not built; run `bash benchmarks/setup_llamacpp.sh` first")
     model = Path(args.model) if args.model else embedded_model_path()
-    results = {}
-    for name, fn in [("llama.cpp", lambda: _llama_bench(binary, model, args.runs)),
-                     *[(f"tokenmill {fmt}", lambda fmt=fmt: _engine_batch1(args.model, fmt, args.runs))
-                       for fmt in ("auto", "fp32")]]:
+    llm = LLM(args.model, weight_format="auto", max_num_seqs=1)
+    llm.generate([{"prompt_token_ids": [1] * 8}], SamplingParams(max_tokens=8), progress=False)  # warm-up
+    rounds = []
+    for r in range(args.rounds):
         meter = CpuMeter()
-        results[name] = fn()
-        print(f"{name:16s} " + "  ".join(f"{k} {v:7.1f} tok/s" for k, v in results[name].items()),
-              _other(meter), flush=True)
-    for key in ("pp256", "tg64", "pp256+tg64"):
-        print(f"tokenmill auto / llama.cpp, {key}: {results['tokenmill auto'][key] / results['llama.cpp'][key]:.2f}x")
-    per_request = {name: 64 * r["pp256+tg64"] / 320 for name, r in results.items()}
-    print("output tok/s of one 256 in / 64 out request: "
-          + ", ".join(f"{name} {rate:.1f}" for name, rate in per_request.items()))
-    return results
+        round_ = {"llama.cpp": _llama_bench(binary, model, args.runs),
+                  "tokenmill auto": _engine_batch1(llm, args.runs, offset=2 * args.runs * r)}
+        round_["ratio"] = {k: round_["tokenmill auto"][k] / round_["llama.cpp"][k] for k in KEYS}
+        round_["other_cpu_seconds"] = meter.other_seconds()
+        rounds.append(round_)
+        for name in ("llama.cpp", "tokenmill auto", "ratio"):
+            unit = "x" if name == "ratio" else " tok/s"
+            print(f"round {r + 1} {name:15s} " + "  ".join(f"{k} {v:7.2f}{unit}" for k, v in round_[name].items()),
+                  *([_other(meter)] if name == "ratio" else []), flush=True)
+    meter = CpuMeter()
+    fp32 = _engine_batch1(LLM(args.model, weight_format="fp32", max_num_seqs=1), args.runs, offset=0)
+    print("tokenmill fp32  " + "  ".join(f"{k} {v:7.1f} tok/s" for k, v in fp32.items()), _other(meter))
+    ratios = {k: statistics.median(r["ratio"][k] for r in rounds) for k in KEYS}
+    print("tokenmill auto / llama.cpp, median of the rounds' ratios: "
+          + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    return {"rounds": rounds, "median_ratio": ratios, "tokenmill fp32": fp32}
 
 
 # ---- steady -----------------------------------------------------------------------------------
@@ -193,7 +209,8 @@ def main() -> None:
     parser.add_argument("what", choices=["accuracy", "kernels", "llamacpp", "steady"])
     parser.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
     parser.add_argument("--windows", type=int, default=12, help="accuracy: 512-token windows scored")
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=3, help="llamacpp: runs of each test per round")
+    parser.add_argument("--rounds", type=int, default=3, help="llamacpp: llama-bench then the engine, this often")
     parser.add_argument("--llama-bench", default=str(LLAMA_BENCH))
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--weight-format", default="auto")

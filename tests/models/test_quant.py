@@ -48,13 +48,19 @@ def _integer_reference(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None)
 
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("scales", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 8, 32), (3, 40, 64), (4, 16, 96), (7, 136, 320), (130, 24, 64)])
-def test_kernel_computes_the_integer_block_dot_products(bits: int, m: int, n: int, k: int) -> None:
+def test_kernel_computes_the_integer_block_dot_products(bits: int, scales: torch.dtype, m: int, n: int, k: int) -> None:
+    """fp16: scales (and minimums) a GGUF would hold, which the layer keeps in fp16."""
     torch.manual_seed(m * n + k)
     w, x = quantize(torch.randn(n, k), bits), torch.randn(m, k) * 3
+    if scales == torch.float16:
+        w = Quantized(bits, w.q, w.scale.half().float(), None if w.min is None else w.min.half().float())
     x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
     for bias in (None, torch.randn(n)):
-        got = QuantizedLinear(w, bias)(x).double()
+        layer = QuantizedLinear(w, bias)
+        assert layer.scale.dtype == scales
+        got = layer(x).double()
         want = _integer_reference(x, w, bias)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), f"{bits}-bit {m}x{n}x{k}"
 

@@ -35,6 +35,12 @@ def test_vllm_flags_without_engine_vllm_are_refused() -> None:
     check_engine_flags(_run_args())  # nothing given: fine
 
 
+def test_a_weight_format_for_vllm_alone_is_refused() -> None:
+    with pytest.raises(ValueError, match="--weight-format q4 is the embedded engine's setting"):
+        check_engine_flags(_run_args("--engine", "vllm", "--weight-format", "q4"))
+    check_engine_flags(_run_args("--engine", "vllm", "--weight-format", "auto"))
+
+
 @pytest.mark.parametrize("item", ["no-equals", "=3"])
 def test_engine_arg_needs_key_equals_value(item: str) -> None:
     with pytest.raises(ValueError, match="expected KEY=VALUE"):

@@ -34,12 +34,38 @@ _SIGNATURES = {
     "paged_decode_attention": [_P] * 6 + [_I] * 6 + [_F, _I64, _I],
     "small_gemm": [_P] * 4 + [_I] * 4,
     "apply_token_bitmask": [_P, _P, _I, _I, _I],
-    "quant_linear": [_I] + [_P] * 6 + [_I] * 4,
+    "quant_linear": [_I, _I] + [_P] * 6 + [_I] * 4,
     "quant_linear_available": [],
     "rms_norm": [_P, _P, _P, _I, _I, _F, _F, _I],
     "rope_inplace": [_P, _P, _P, _I, _I, _I, _I, _I64, _I],
     "silu_mul": [_P, _P, _I, _I, _I],
+    "decode_layers": [_P, _P, _P, _I] + [_P] * 5 + [_I],
 }
+
+
+class QuantLinear(ctypes.Structure):
+    """csrc/team.h's QuantLinear: a quantised linear layer's shape and buffers."""
+
+    _fields_ = [("bits", _I), ("out_features", _I), ("in_features", _I), ("half_scales", _I),
+                ("weight", _P), ("scale", _P), ("min", _P), ("bias", _P)]
+
+
+class DecodeLayer(ctypes.Structure):
+    """csrc/decode_layers.c's DecodeLayer: one decoder layer's weights and KV cache."""
+
+    _fields_ = [("input_norm", _P), ("post_attention_norm", _P), ("qkv", QuantLinear), ("o", QuantLinear),
+                ("gate_up", QuantLinear), ("down", QuantLinear), ("k_cache", _P), ("v_cache", _P),
+                ("window", _I64)]
+
+
+class DecodeShape(ctypes.Structure):
+    """csrc/decode_layers.c's DecodeShape."""
+
+    _fields_ = [(name, _I) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "rotary",
+                                        "intermediate", "block_size", "max_blocks")] + \
+               [("eps", _F), ("attention_scale", _F)]
+
+
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _tried = False

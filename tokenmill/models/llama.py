@@ -18,6 +18,7 @@ from torch import nn
 
 from tokenmill.models import kernels
 from tokenmill.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
+from tokenmill.models.decode_stack import DecodeStack
 from tokenmill.models.moe import SparseMoE
 from tokenmill.models.paged_attention import paged_decode_attention
 from tokenmill.models.quant import Quantized, Weight, concatenate, quantize
@@ -321,6 +322,26 @@ class CausalLM(nn.Module):
         # Layer windows the runner's masks do not carry (it applies cfg.sliding_window only).
         windows = {cfg.layer_window(i) for i in range(cfg.num_hidden_layers)}
         self.narrowed_windows = sorted(w for w in windows - {cfg.sliding_window} if w is not None)
+        # Decode steps run every layer in one C call where the layers allow (decode_stack.py);
+        # False keeps the layer-by-layer path (the tests compare the two).
+        self.use_decode_stack = True
+        self._decode_stack: DecodeStack | None = None
+        self._decode_stack_built = False
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        super()._apply(fn, recurse)
+        self._decode_stack_built = False  # the stack holds the buffers' addresses: built again
+        return self
+
+    def decode_stack(self, meta: AttentionMetadata) -> DecodeStack | None:
+        """The C stack when this step is decodes only, attended by the paged kernel."""
+        g = meta.groups[0]
+        if not (self.use_decode_stack and len(meta.groups) == 1 and g.covers_batch and g.mask is None):
+            return None
+        if not self._decode_stack_built:
+            self._decode_stack = DecodeStack.build(list(self.model.layers), self.rope_cos.shape[-1])
+            self._decode_stack_built = True
+        return self._decode_stack
 
     def init_rope(self, max_positions: int) -> None:
         """cos/sin tables for every position (built after weights load: they are not weights)."""
@@ -350,9 +371,14 @@ class CausalLM(nn.Module):
         rope = self._rope("rope", positions, x.dtype)
         local_rope = self._rope("rope_local", positions, x.dtype) if self.config.rope_local_theta is not None else rope
         self._add_window_masks(meta)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            cos, sin = local_rope if layer.local_rope else rope
-            x = layer(x, cos, sin, kv_cache, meta)
+        stack = self.decode_stack(meta) if x.dtype == torch.float32 else None
+        if stack is not None:
+            g = meta.groups[0]
+            x = stack(x.contiguous(), *rope, kv_caches, meta.slot_mapping, g.context_blocks, g.context_lens)
+        else:
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                cos, sin = local_rope if layer.local_rope else rope
+                x = layer(x, cos, sin, kv_cache, meta)
         return self.lm_head(self.model.norm(x[logits_rows])).float()
 
     def _rope(self, name: str, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

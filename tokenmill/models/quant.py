@@ -135,7 +135,7 @@ def pack_q4(q: torch.Tensor) -> torch.Tensor:
 
 
 def pack_block_values(values: torch.Tensor) -> torch.Tensor:
-    """scale/min fp32 [N, K/32] -> [N/8, K/32, 8]."""
+    """scale/min [N, K/32] -> [N/8, K/32, 8]."""
     n, kb = values.shape
     return values.reshape(n // 8, 8, kb).permute(0, 2, 1).contiguous()
 
@@ -157,8 +157,12 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"quantised linear {quantized.shape}: out_features must be a multiple of 8, "
                              f"in_features of {BLOCK}")
         self.register_buffer("weight", pack_q4(quantized.q) if self.bits == 4 else pack_q8(quantized.q))
-        self.register_buffer("scale", pack_block_values(quantized.scale))
-        self.register_buffer("min", None if quantized.min is None else pack_block_values(quantized.min))
+        # fp16 scales and minimums where every one survives the trip (a GGUF's Q4_0, Q4_1 and Q8_0
+        # blocks: the file holds them in fp16): a step then reads 20 bytes per 4-bit block, not 24.
+        values = [t for t in (quantized.scale, quantized.min) if t is not None]
+        dtype = torch.float16 if all(torch.equal(t.half().float(), t) for t in values) else torch.float32
+        self.register_buffer("scale", pack_block_values(quantized.scale.to(dtype)))
+        self.register_buffer("min", None if quantized.min is None else pack_block_values(quantized.min.to(dtype)))
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self._apply(lambda t: t)
 
@@ -166,6 +170,7 @@ class QuantizedLinear(nn.Module):
         super()._apply(fn, recurse)  # .to() and friends may replace the buffers
         tensors = (self.weight, self.scale, self.min, self.bias)
         self._pointers = tuple(None if t is None else t.data_ptr() for t in tensors)
+        self._half_scales = int(self.scale.dtype == torch.float16)
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,11 +183,16 @@ class QuantizedLinear(nn.Module):
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
         y = torch.empty(x.shape[0], self.out_features)
-        status = lib.quant_linear(self.bits, x.data_ptr(), *self._pointers, y.data_ptr(),
+        status = lib.quant_linear(self.bits, self._half_scales, x.data_ptr(), *self._pointers, y.data_ptr(),
                                   x.shape[0], self.out_features, k, torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"quant_linear failed ({status}) for {self.out_features}x{k}, {self.bits} bits")
         return y.view(*lead, self.out_features)
+
+    def kernel_args(self) -> kernels.QuantLinear:
+        """This layer as csrc/team.h's QuantLinear (for kernels that call the matmul themselves)."""
+        return kernels.QuantLinear(self.bits, self.out_features, self.in_features, self._half_scales,
+                                   *self._pointers)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 rows `ids` of W (an embedding lookup), unpacked from the kernel layout."""
@@ -193,9 +203,9 @@ class QuantizedLinear(nn.Module):
         else:
             packed = self.weight.view(-1, kb, 4, 8, 4)[group, :, :, col, :]  # [T, KB, 4, 4]
             q = torch.cat((packed & 0x0F, packed >> 4), dim=2).reshape(len(ids), kb, BLOCK)
-        values = q.float() * self.scale[group, :, col][..., None]
+        values = q.float() * self.scale[group, :, col].float()[..., None]
         if self.min is not None:
-            values = values + self.min[group, :, col][..., None]
+            values = values + self.min[group, :, col].float()[..., None]
         return values.reshape(len(ids), self.in_features)
 
     def extra_repr(self) -> str:

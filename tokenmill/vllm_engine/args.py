@@ -57,8 +57,14 @@ def uses_vllm(args: argparse.Namespace) -> bool:
 
 
 def check_engine_flags(args: argparse.Namespace) -> None:
-    """vLLM's flags without --engine vllm are a mistake, not something to ignore."""
+    """vLLM's flags without --engine vllm are a mistake, not something to ignore; so is a weight
+    format asked of vLLM alone (it loads the weights its own way)."""
     if uses_vllm(args):
+        engines = args.engine if isinstance(args.engine, list) else [args.engine]
+        chosen, default = getattr(args, "weight_format", None), _default("weight_format")
+        if "embedded" not in engines and chosen not in (None, default):
+            raise ValueError(f"--weight-format {chosen} is the embedded engine's setting; vLLM loads the weights "
+                             "its own way (--quantization, --dtype)")
         return
     given = [f"--{name.replace('_', '-')}" for name in NAMED_ARGS if getattr(args, f"vllm_{name}") is not None]
     given += ["--engine-arg"] if args.engine_arg else []
@@ -69,17 +75,20 @@ def check_engine_flags(args: argparse.Namespace) -> None:
 def vllm_engine_args(args: argparse.Namespace) -> dict[str, Any]:
     """vllm.EngineArgs keywords from the flags (the model aside: `VllmLLM` resolves --model): the
     shared settings set away from the embedded defaults, the named flags, then --engine-arg."""
-    defaults = {f.name: f.default for f in fields(EngineConfig)}
     engine_args: dict[str, Any] = {}
     for name in SHARED_SETTINGS:
         value = getattr(args, name, None)
-        if value is not None and value != defaults[name]:
+        if value is not None and value != _default(name):
             engine_args[name] = value
     for name in NAMED_ARGS:
         if getattr(args, f"vllm_{name}") is not None:
             engine_args[name] = getattr(args, f"vllm_{name}")
     engine_args.update(parse_engine_args(args.engine_arg))
     return engine_args
+
+
+def _default(setting: str) -> Any:
+    return next(f.default for f in fields(EngineConfig) if f.name == setting)
 
 
 def parse_engine_args(items: list[str]) -> dict[str, Any]:

@@ -7,16 +7,16 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "team.h"
 #include "vec8.h"
 
 /* RoPE in place, the half-split layout (Hugging Face Llama): for each of T rows and H heads of
  * D values (rows `row_stride` floats apart, heads D apart), the first R dimensions turn by the
  * row's angles; cos/sin [T, R] hold each angle twice (both halves). */
-int rope_inplace(float *x, const float *cos_t, const float *sin_t, int T, int H, int D, int R,
-                 int64_t row_stride, int num_threads) {
-    if (R % 2 != 0 || R > D) return -1;
+void rope_team(float *x, const float *cos_t, const float *sin_t, int T, int H, int D, int R,
+               int64_t row_stride) {
     const int half = R / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 16)
+#pragma omp for schedule(static)
     for (int t = 0; t < T; t++) {
         const float *c = cos_t + (int64_t)t * R, *s = sin_t + (int64_t)t * R;
         for (int h = 0; h < H; h++) {
@@ -28,14 +28,20 @@ int rope_inplace(float *x, const float *cos_t, const float *sin_t, int T, int H,
             }
         }
     }
+}
+
+int rope_inplace(float *x, const float *cos_t, const float *sin_t, int T, int H, int D, int R,
+                 int64_t row_stride, int num_threads) {
+    if (R % 2 != 0 || R > D) return -1;
+#pragma omp parallel num_threads(num_threads) if (T >= 16)
+    rope_team(x, cos_t, sin_t, T, H, D, R, row_stride);
     return 0;
 }
 
 /* out[t, i] = silu(gate_up[t, i]) · gate_up[t, I + i]: the gated MLP's activation, gate and up
  * halves side by side as the fused projection leaves them. I is a multiple of 8. */
-int silu_mul(const float *gate_up, float *out, int T, int I, int num_threads) {
-    if (I % 8 != 0) return -1;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)T * I >= 16384)
+void silu_mul_team(const float *gate_up, float *out, int T, int I) {
+#pragma omp for schedule(static)
     for (int t = 0; t < T; t++) {
         const float *g = gate_up + (int64_t)t * 2 * I, *u = g + I;
         float *o = out + (int64_t)t * I;
@@ -46,5 +52,11 @@ int silu_mul(const float *gate_up, float *out, int T, int I, int num_threads) {
             *(vec8u *)(o + i) = x * sigmoid * LOAD(u + i);
         }
     }
+}
+
+int silu_mul(const float *gate_up, float *out, int T, int I, int num_threads) {
+    if (I % 8 != 0) return -1;
+#pragma omp parallel num_threads(num_threads) if ((int64_t)T * I >= 16384)
+    silu_mul_team(gate_up, out, T, I);
     return 0;
 }

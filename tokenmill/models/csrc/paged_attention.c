@@ -7,7 +7,7 @@
  * KV head (GQA) re-read it from cache.
  *
  * Layouts (all contiguous, fp32):
- *   q, out           [num_seqs, num_kv_heads * group, head_dim]
+ *   q, out           [num_seqs, num_kv_heads * group, head_dim] (the team body takes row strides)
  *   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_tables     [num_seqs, max_blocks]   (int64)
  *   context_lens     [num_seqs]               (int64; positions [start, len) are attended)
@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "team.h"
 #include "vec8.h"
 
 static inline vec8 dot_partial(const vec8 *qv, const float *k, int n8) {
@@ -113,6 +114,48 @@ static void attend_any(const Context *c, const float *q, int D, float scale, flo
     attend_head(c, q, D, scale, s, o);
 }
 
+/* The team's share of (sequence, KV head) items, each a task: its query heads run back to back
+ * while the K/V rows they share are still in cache. */
+void paged_attention_team(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                          const int64_t *block_tables, const int64_t *context_lens, float *out,
+                          int64_t out_stride, int num_seqs, int num_kv_heads, int group, int head_dim,
+                          int block_size, int max_blocks, float scale, int64_t window, int *failed) {
+    float *scores = NULL;
+    int64_t capacity = 0;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < (int64_t)num_seqs * num_kv_heads; item++) {
+        const int64_t seq = item / num_kv_heads;
+        const int kv_head = (int)(item % num_kv_heads);
+        const int64_t len = context_lens[seq];
+        const int64_t start = (window > 0 && len > window) ? len - window : 0;
+        if (len - start > capacity) {
+            free(scores);
+            capacity = len - start;
+            scores = (float *)malloc(sizeof(float) * capacity);
+        }
+        if (scores == NULL || len <= 0 || len > (int64_t)max_blocks * block_size) {
+#pragma omp atomic write
+            *failed = 1;
+            capacity = 0;
+            continue;
+        }
+        const Context c = {
+            k_cache + (int64_t)kv_head * head_dim, v_cache + (int64_t)kv_head * head_dim,
+            block_tables + seq * max_blocks, (int64_t)num_kv_heads * head_dim,
+            (int64_t)block_size * num_kv_heads * head_dim, start, len, block_size,
+        };
+        for (int g = 0; g < group; g++) {
+            const int64_t head = (int64_t)(kv_head * group + g) * head_dim;
+            const float *qh = q + seq * q_stride + head;
+            float *oh = out + seq * out_stride + head;
+            if (head_dim == 64) attend_64(&c, qh, scale, scores, oh);
+            else if (head_dim == 128) attend_128(&c, qh, scale, scores, oh);
+            else attend_any(&c, qh, head_dim, scale, scores, oh);
+        }
+    }
+    free(scores);
+}
+
 /* Returns 0 on success; -1 for an empty context, one longer than its block table, a head_dim
  * that is not a multiple of 8 up to 256, or a failed scratch allocation. */
 int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
@@ -121,43 +164,10 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
                            int block_size, int max_blocks, float scale, int64_t window,
                            int num_threads) {
     if (head_dim % 8 != 0 || head_dim > 256) return -1;
+    const int64_t stride = (int64_t)num_kv_heads * group * head_dim;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
-    {
-        float *scores = NULL;
-        int64_t capacity = 0;
-        /* One (sequence, KV head) per task: its query heads run back to back while the
-         * K/V rows they share are still in cache. */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < (int64_t)num_seqs * num_kv_heads; item++) {
-            const int64_t seq = item / num_kv_heads;
-            const int kv_head = (int)(item % num_kv_heads);
-            const int64_t len = context_lens[seq];
-            const int64_t start = (window > 0 && len > window) ? len - window : 0;
-            if (len - start > capacity) {
-                free(scores);
-                capacity = len - start;
-                scores = (float *)malloc(sizeof(float) * capacity);
-            }
-            if (scores == NULL || len <= 0 || len > (int64_t)max_blocks * block_size) {
-#pragma omp atomic write
-                failed = 1;
-                capacity = 0;
-                continue;
-            }
-            const Context c = {
-                k_cache + (int64_t)kv_head * head_dim, v_cache + (int64_t)kv_head * head_dim,
-                block_tables + seq * max_blocks, (int64_t)num_kv_heads * head_dim,
-                (int64_t)block_size * num_kv_heads * head_dim, start, len, block_size,
-            };
-            for (int g = 0; g < group; g++) {
-                const int64_t offset = ((seq * num_kv_heads + kv_head) * group + g) * head_dim;
-                if (head_dim == 64) attend_64(&c, q + offset, scale, scores, out + offset);
-                else if (head_dim == 128) attend_128(&c, q + offset, scale, scores, out + offset);
-                else attend_any(&c, q + offset, head_dim, scale, scores, out + offset);
-            }
-        }
-        free(scores);
-    }
+    paged_attention_team(q, stride, k_cache, v_cache, block_tables, context_lens, out, stride, num_seqs,
+                         num_kv_heads, group, head_dim, block_size, max_blocks, scale, window, &failed);
     return failed ? -1 : 0;
 }

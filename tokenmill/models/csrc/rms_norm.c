@@ -7,10 +7,10 @@
 #include <math.h>
 #include <stdint.h>
 
-int rms_norm(const float *x, const float *w, float *y, int M, int K, float eps, float offset,
-             int num_threads) {
-    if (K <= 0) return -1;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (M >= 16)
+#include "team.h"
+
+void rms_norm_team(const float *x, const float *w, float *y, int M, int K, float eps, float offset) {
+#pragma omp for schedule(static)
     for (int m = 0; m < M; m++) {
         const float *xm = x + (int64_t)m * K;
         float *ym = y + (int64_t)m * K;
@@ -19,5 +19,12 @@ int rms_norm(const float *x, const float *w, float *y, int M, int K, float eps, 
         const float inv = 1.f / sqrtf(sum / K + eps);
         for (int k = 0; k < K; k++) ym[k] = xm[k] * inv * (offset + w[k]);
     }
+}
+
+int rms_norm(const float *x, const float *w, float *y, int M, int K, float eps, float offset,
+             int num_threads) {
+    if (K <= 0) return -1;
+#pragma omp parallel num_threads(num_threads) if (M >= 16)
+    rms_norm_team(x, w, y, M, K, eps, offset);
     return 0;
 }

@@ -1,0 +1,68 @@
+"""The decode stack (all layers of a decode step in one C call) against the layer-by-layer path it
+replaces: the same kernels in the same order, so the same logits bit for bit, on every step of a
+real batch; and the models it does not cover keep the layer-by-layer path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.models.test_equivalence import _prompts, _tiny_model
+from tests.models.test_quant import needs_kernel
+from tokenmill import LLM, SamplingParams
+from tokenmill.models.llama import CausalLM
+from tokenmill.models.loader import load_weights
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def _compare_every_decode_step(model: CausalLM) -> list[bool]:
+    """Runs each decode step layer by layer, then again on the stack (which rewrites the same K/V
+    slots), and records whether the logits are equal."""
+    forward, equal = model.forward, []
+
+    def both_paths(*args):  # type: ignore[no-untyped-def]
+        model.use_decode_stack = False
+        layered = forward(*args)
+        model.use_decode_stack = True
+        stacked = forward(*args)
+        if model.decode_stack(args[3]) is not None:
+            equal.append(torch.equal(layered, stacked))
+        return stacked
+
+    model.forward = both_paths  # type: ignore[method-assign]
+    return equal
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "phi3"])
+@pytest.mark.parametrize("setting", ["q4", "q8"])
+def test_decode_stack_gives_the_layer_by_layer_logits_bitwise(arch: str, setting: str, tmp_path: Path) -> None:
+    """llama: tied embeddings, Llama-3 RoPE scaling; qwen2: q/k/v biases; mistral: a 24-token
+    sliding window the prompts outgrow; phi3: half of each head rotated."""
+    _tiny_model(arch).save_pretrained(tmp_path)
+    llm = LLM(weights=load_weights(str(tmp_path)), weight_format=setting, block_size=4, max_num_seqs=8)
+    equal = _compare_every_decode_step(llm.engine.runner.model)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(512, [1, 30, 17, 5, 40])]
+    outputs = llm.generate(prompts, GREEDY, progress=False)
+    assert all(len(o.token_ids) == 10 for o in outputs)
+    assert len(equal) >= 9 and all(equal), f"{equal.count(False)} of {len(equal)} decode steps differ"
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3", "qwen2_moe"])
+def test_layers_the_stack_does_not_cover_keep_the_layer_by_layer_path(arch: str, tmp_path: Path) -> None:
+    """Gemma 3's four norms and query scalar, Qwen3's q/k norms, MoE experts (which stay fp32)."""
+    _tiny_model(arch).save_pretrained(tmp_path)
+    llm = LLM(weights=load_weights(str(tmp_path)), weight_format="q8", block_size=4)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, progress=False)
+    model = llm.engine.runner.model
+    assert model._decode_stack_built and model._decode_stack is None
+
+
+def test_fp32_weights_keep_the_layer_by_layer_path(gguf_path: Path) -> None:
+    llm = LLM(str(gguf_path), weight_format="fp32")
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, progress=False)
+    assert llm.engine.runner.model._decode_stack is None

@@ -1,0 +1,42 @@
+/* The kernels' bodies, callable by every thread of an OpenMP team.
+ *
+ * Each exported kernel is a parallel region around one of these. A body splits its loops with
+ * orphaned `omp for` and ends on that loop's barrier, so several bodies can run back to back
+ * inside one parallel region (decode_layers.c runs a whole decode step that way) or alone, on
+ * one thread, outside any region.
+ */
+#ifndef TOKENMILL_TEAM_H
+#define TOKENMILL_TEAM_H
+#include <stddef.h>
+#include <stdint.h>
+
+/* A linear layer with quantised weights (layouts in quant_gemm.c): scale and min are fp16 when
+ * half_scales, else fp32; min is NULL at 8 bits and bias NULL when there is none. */
+typedef struct {
+    int bits, out_features, in_features, half_scales;
+    const void *weight, *scale, *min;
+    const float *bias;
+} QuantLinear;
+
+/* y = x · Wᵀ + bias for x [M, K]; accumulate: y += x · Wᵀ + bias instead. `scratch` holds
+ * quant_linear_scratch_bytes(M, K) bytes, shared by the team. */
+void quant_linear_team(const QuantLinear *layer, const float *x, float *y, int M, int accumulate,
+                       int8_t *scratch);
+size_t quant_linear_scratch_bytes(int M, int K);
+
+/* A buffer of at least `bytes` for the calling thread, kept for its next call; NULL when out of
+ * memory. */
+int8_t *thread_scratch(size_t bytes);
+
+void rms_norm_team(const float *x, const float *w, float *y, int M, int K, float eps, float offset);
+void rope_team(float *x, const float *cos_t, const float *sin_t, int T, int H, int D, int R,
+               int64_t row_stride);
+void silu_mul_team(const float *gate_up, float *out, int T, int I);
+
+/* q rows `q_stride` floats apart, out rows `out_stride` apart; *failed is set (never cleared)
+ * when a context is empty or longer than its block table, or scratch cannot be allocated. */
+void paged_attention_team(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                          const int64_t *block_tables, const int64_t *context_lens, float *out,
+                          int64_t out_stride, int num_seqs, int num_kv_heads, int group, int head_dim,
+                          int block_size, int max_blocks, float scale, int64_t window, int *failed);
+#endif
