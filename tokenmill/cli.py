@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from importlib.metadata import version
 
 # subcommand -> (the package that owns it, its one-line help)
 _SUBCOMMANDS = {
@@ -22,6 +23,7 @@ _SUBCOMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="Throughput-first batch LLM inference")
+    parser.add_argument("--version", action="version", version=f"tokenmill {version('tokenmill')}")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (package, help_text) in _SUBCOMMANDS.items():
         module = importlib.import_module(f"tokenmill.{package}.cli")

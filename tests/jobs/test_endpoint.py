@@ -254,3 +254,22 @@ def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float =
         time.sleep(0.02)
     proc.kill()
     raise AssertionError(f"no {n} results within {timeout} s")
+
+
+def test_the_input_comes_as_an_argument_or_as_vllm_run_batch_takes_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tokenmill run -i IN -o OUT` as `vllm run-batch -i IN -o OUT`; given twice or not at all, a
+    clear refusal before any work."""
+    from tokenmill.cli import main
+
+    config = job(tmp_path, [f"doc {i}" for i in range(3)])
+    with StubServer() as stub:
+        flags = ["-o", str(config.output), "--max-tokens", "4", "--no-progress", "--endpoint", stub.url]
+        assert main(["run", "-i", str(config.input), *flags]) == 0
+    assert_exactly_once(config.output, 3)
+    assert main(["run", str(config.input), "-i", str(config.input), *flags]) == 2
+    assert main(["run", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("give the input file once: as the first argument or with -i/--input") == 2
+    assert f"(got {config.input} and {config.input})" in err

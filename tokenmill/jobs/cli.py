@@ -28,7 +28,10 @@ EXIT_JOB_FAILED = 3  # started, then could not go on (Ray stalled, endpoint down
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("input", type=Path, help="OpenAI batch JSONL, JSONL with prompt/messages, or text (one document a line)")
+    add("input", type=Path, nargs="?",
+        help="OpenAI batch JSONL, JSONL with prompt/messages, or text (one document a line)")
+    add("-i", "--input", dest="input_option", type=Path, metavar="INPUT",
+        help="the input, as a flag (`vllm run-batch -i IN -o OUT` works as it is)")
     add("-o", "--output", type=Path, required=True,
         help="a folder (results.jsonl, errors.jsonl, summary.json, job.json in it) or a results .jsonl file")
     add("--errors", type=Path, help="errors JSONL (default: beside the results)")
@@ -105,10 +108,19 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         completions=args.completions, structured_outputs=_structured_outputs(args),
     )
     return JobConfig(
-        input=args.input, output=args.output, options=options, errors=args.errors,
+        input=_input(args), output=args.output, options=options, errors=args.errors,
         input_format=args.input_format, strict=args.strict, overwrite=args.overwrite, order=args.order,
         price_per_hour=args.price_per_hour, progress=not args.no_progress,
     )
+
+
+def _input(args: argparse.Namespace) -> Path:
+    """The input file, given once: as the first argument or with -i/--input."""
+    given = [p for p in (args.input, getattr(args, "input_option", None)) if p is not None]
+    if len(given) != 1:
+        raise JobError("give the input file once: as the first argument or with -i/--input"
+                       + (f" (got {given[0]} and {given[1]})" if given else ""))
+    return given[0]
 
 
 def _structured_outputs(args: argparse.Namespace) -> dict[str, Any] | None:
