@@ -1,9 +1,9 @@
 /* Every decoder layer of a decode step (one new token per sequence) in one call (CPU, fp32
  * activations, quantised weights).
  *
- * Why this exists: at batch 1 a 30-layer step is ~120 matmuls reading ~110 MB of 4-bit weights
- * (~5 ms here) and, between them, ~500 calls from Python (norms, RoPE, cache writes, attention,
- * residual adds) at ~10 µs each: more time than the matmuls. Here the step's layers run inside
+ * Why this exists: at batch 1 a 30-layer step of SmolLM2 is 120 matmuls reading 66 MB of 4-bit
+ * blocks (~4 ms here) and, between them, ~500 calls from Python (norms, RoPE, cache writes,
+ * attention, residual adds) at ~10 µs each: more time than the matmuls. Here the step's layers run inside
  * one OpenMP parallel region, on the same kernel bodies the layer-by-layer path calls
  * (team.h), in the same order, so its results are bitwise those of that path.
  *
