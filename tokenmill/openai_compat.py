@@ -27,6 +27,7 @@ from jinja2 import TemplateError
 
 from tokenmill.engine import (
     DEFAULT_MAX_TOKENS,
+    DEFAULT_TEMPERATURE,
     InProcessModel,
     Prompt,
     RequestOutput,
@@ -170,7 +171,7 @@ def sampling_params(body: dict[str, Any]) -> SamplingParams:
         return SamplingParams(
             max_tokens=requested_max_tokens(body),
             min_tokens=body.get("min_tokens", 0),
-            temperature=float(body.get("temperature", 1.0)),  # OpenAI's default
+            temperature=float(body.get("temperature", DEFAULT_TEMPERATURE)),
             top_p=float(body.get("top_p", 1.0)),
             top_k=0 if top_k == -1 else top_k,
             seed=body.get("seed"),

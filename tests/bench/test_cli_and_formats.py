@@ -15,6 +15,7 @@ from tokenmill.bench.metrics import summarize
 from tokenmill.bench.report import markdown, to_json, write_csv
 from tokenmill.bench.runner import RunData, SweepConfig, SweepResult
 from tokenmill.bench.workloads import LengthSpec, Workload
+from tokenmill.plan.catalog import CATALOG
 from tokenmill.plan.measured import load_measured
 
 
@@ -33,11 +34,10 @@ def test_preset_and_overrides() -> None:
 
 
 def test_price_by_number_or_catalog() -> None:
-    assert cli.resolve_price("0.10") == (0.10, "--price-per-hour")
-    price, source = cli.resolve_price("H200")
-    assert price == 3.80 and "H200" in str(source)
-    with pytest.raises(ValueError, match="price-per-hour"):
-        cli.resolve_price("tpu-v9")
+    _, cfg = cli.resolve(parse("--price-per-hour", "0.10"))
+    assert (cfg.price_per_hour, cfg.price_source) == (0.10, "--price-per-hour")
+    _, cfg = cli.resolve(parse("--price-per-hour", "H200"))
+    assert (cfg.price_per_hour, cfg.price_source) == (CATALOG["h200"].price_per_hour, "catalog H200")
 
 
 def fake_result(label: str, price: float | None, speed: float) -> SweepResult:

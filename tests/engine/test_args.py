@@ -106,3 +106,20 @@ def test_generate_reads_a_structured_output_from_its_flags(tmp_path: Path) -> No
                            (["--json-schema", str(tmp_path / "unknown.json")], "--json-schema: Unknown format")):
         with pytest.raises(ValueError, match=message):
             setting(*words)
+
+
+def test_a_gpu_the_machine_lacks_is_refused_before_any_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from tokenmill.cli import main
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count:
+        with pytest.raises(ValueError, match=rf"--device cuda:{count}: this machine has {count} GPU\(s\)"):
+            EngineConfig(device=f"cuda:{count}").resolved_device()
+    else:
+        assert main(["generate", "--device", "cuda", "a prompt"]) == 2
+        assert "--device cuda: this torch" in capsys.readouterr().err
+        with pytest.raises(ValueError, match="use --device cpu, or install torch's CUDA build"):
+            EngineConfig(device="cuda:0").resolved_device()
+    assert EngineConfig(device="cpu").resolved_device() == torch.device("cpu")

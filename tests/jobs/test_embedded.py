@@ -14,6 +14,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
 from tokenmill.jobs.config import JobConfig
 from tokenmill.jobs.embedded import EmbeddedBackend
+from tokenmill.jobs.output import line_of
 from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.spec import BatchRequest, DocumentOptions
 from tokenmill.models.loader import LoadedWeights
@@ -66,7 +67,7 @@ def test_batch_job_end_to_end(tmp_path: Path, llm: LLM) -> None:
     assert results["bad"]["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
     assert results["plain"]["response"]["body"]["object"] == "text_completion"
 
-    errors = {e["line"]: e["error"] for e in read_jsonl(tmp_path / "out/errors.jsonl")}
+    errors = {line_of(e): e["error"] for e in read_jsonl(tmp_path / "out/errors.jsonl")}
     assert errors[4]["code"] == "invalid_request" and "context is 384 tokens" in errors[4]["message"]
     assert errors[5]["code"] == "invalid_input"
 

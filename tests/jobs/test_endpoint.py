@@ -60,7 +60,7 @@ def test_transient_failures_are_retried_and_a_400_is_final(tmp_path: Path) -> No
     assert body["choices"][0]["message"]["content"] == "echo: rate"
     [error] = read_jsonl(tmp_path / "out/errors.jsonl")
     assert error["custom_id"] == "r-5" and error["error"]["code"] == "http_400"
-    assert error["error"]["message"] == "HTTP 400: stub says 400"
+    assert error["error"]["message"] == "line 6: HTTP 400: stub says 400"
     assert error["response"]["status_code"] == 400
     summary = json.loads((tmp_path / "out/summary.json").read_text())
     assert summary["tokens"]["completion"] == 5 * 2 and summary["tokens"]["cached"] == 5 * 2

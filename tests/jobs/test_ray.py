@@ -24,7 +24,7 @@ from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
 from tokenmill.jobs.config import JobConfig
 from tokenmill.jobs.embedded import EmbeddedBackend
 from tokenmill.jobs.endpoint import EndpointBackend, RetryPolicy
-from tokenmill.jobs.output import JobFailed, encode_row
+from tokenmill.jobs.output import JobFailed, encode_row, line_of
 from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.spec import BatchRequest, DocumentOptions
 from tokenmill.models.loader import LoadedWeights
@@ -167,7 +167,7 @@ def test_a_replica_killed_mid_batch_still_gives_every_row_once(on_ray: Path) -> 
 
 @pytest.mark.slow
 def test_per_request_failures_are_error_rows(on_ray: Path) -> None:
-    errors = {e["line"]: e for e in read_jsonl(on_ray / "errors.jsonl")}
+    errors = {line_of(e): e for e in read_jsonl(on_ray / "errors.jsonl")}
     assert sorted(errors) == [4, 9, 10]  # boom, huge, the broken line
     boom, huge = errors[4]["error"], errors[9]["error"]
     assert errors[4]["custom_id"] == "boom" and boom["code"] == "worker_error"
@@ -252,7 +252,8 @@ def test_a_replica_spreads_batches_over_endpoints_and_isolates_a_failure() -> No
         for k in range(8):
             ids = [f"b{k}-{i}" for i in range(3)]
             out = replica({"custom_id": ids, "line": [1, 2, 3], "url": ["/v1/completions"] * 3,
-                           "body": [json.dumps({"prompt": i, "max_tokens": 2}) for i in ids]})
+                           "body": [json.dumps({"prompt": i, "max_tokens": 2}) for i in ids],
+                           "metadata": ["null"] * 3})
             assert sorted(out["custom_id"]) == ids and out["stats"][0] and out["stats"][1:] == ["", ""]
         assert a.attempts and b.attempts and len(a.attempts) + len(b.attempts) == 24
         assert not {k.split("-")[0] for k in a.attempts} & {k.split("-")[0] for k in b.attempts}  # whole batches

@@ -9,7 +9,7 @@ import pytest
 
 from tokenmill.cli import main
 from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.output import JobError, encode_row, result_row
+from tokenmill.jobs.output import JobError, encode_row, line_of, result_row
 from tokenmill.jobs.runner import order_entries, run_job
 from tokenmill.jobs.spec import DocumentOptions, Entry
 
@@ -43,13 +43,18 @@ def test_bad_lines_are_recorded_and_the_good_ones_run(tmp_path: Path, echo: Echo
     assert run_job(config(tmp_path, path), echo) == 1  # some failed
     out = tmp_path / "out"
     assert [r["custom_id"] for r in read_jsonl(out / "results.jsonl")] == ["a", "e"]
-    errors = {(e["line"], e["error"]["code"]) for e in read_jsonl(out / "errors.jsonl")}
+    error_rows = read_jsonl(out / "errors.jsonl")
+    # OpenAI's error row exactly: the input line leads the message, not a field of its own.
+    assert all(set(e) == {"id", "custom_id", "response", "error"} for e in error_rows)
+    assert all(set(e["error"]) == {"code", "message"} for e in error_rows)
+    errors = {(line_of(e), e["error"]["code"]) for e in error_rows}
     assert errors == {(3, "invalid_input"), (5, "invalid_input"), (6, "invalid_input"),
                       (2, "http_400"), (4, "server_error")}
     summary = json.loads((out / "summary.json").read_text())
     assert summary["requests"] == {"total": 7, "done": 2, "failed": 5, "not_done": 0, "invalid_lines": 3,
                                    "retryable": 1, "done_this_run": 2, "failed_this_run": 2,
-                                   "structured": 0, "structured_cut": 0}
+                                   "structured": 0, "structured_cut": 0,
+                                   "max_tokens_defaulted": 4, "default_max_tokens": 4}
     assert summary["tokens"] == {"prompt": 20, "cached": 6, "completion": 8}
     job = json.loads((out / "job.json").read_text())
     assert job["settings"]["max_tokens"] == 4 and len(job["input_sha256"]) == 64

@@ -31,12 +31,35 @@ def wide_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_plan_table_and_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     rc, out, _ = run([*LLAMA_2XA100, "--json", str(tmp_path / "plan.json")], capsys)
     assert rc == 0
-    assert "largest batch 3" in out and "kv-memory" in out
     doc = json.loads((tmp_path / "plan.json").read_text())
-    assert doc["memory"]["max_batch"] == 3
+    # 14-16 by hand: test_plan_roofline.test_llama_70b_bf16_on_2xa100_memory
+    assert 14 <= doc["memory"]["max_batch"] <= 16
+    assert f"largest batch {doc['memory']['max_batch']}" in out and "kv-memory" in out
+    assert doc["fits"] is True and doc["devices_needed"] == 2
     assert doc["memory"]["weight_bytes"] == 70_553_706_496 * 2
     assert [p["batch_size"] for p in doc["points"]] == [1, 8, 32, 64]
     assert doc["config"]["tp"] == 2 and doc["efficiency"] == []
+    assert "80.0 GiB" in out  # the A100's memory as nvidia-smi reports it
+
+
+def test_a_model_that_does_not_fit(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # Llama-3.1-70B in bf16 (141 GB) on one H100: no table and no $/M, but how many it needs
+    rc, out, err = run(["--model", "llama-3.1-70b", "--hardware", "h100-sxm",
+                        "--json", str(tmp_path / "plan.json")], capsys)
+    assert rc == cli.EXIT_DOES_NOT_FIT and err == ""
+    assert "Does not fit" in out and "needs at least 2 x H100-SXM" in out
+    assert "--num-devices 2" in out and "Ceilings" not in out
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert doc["fits"] is False and doc["devices_needed"] == 2
+    assert doc["memory"]["max_batch"] == 0
+    assert all(p["usd_per_m_output"] is None and not p["fits"] for p in doc["points"])
+
+
+def test_does_not_fit_with_replicas_names_the_tp(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(["--model", "llama-3.1-70b", "--hardware", "l4", "--num-devices", "4",
+                      "--tp", "2"], capsys)
+    assert rc == cli.EXIT_DOES_NOT_FIT
+    assert "needs at least 8 x L4" in out and "--tp 8" in out
 
 
 def test_measured_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -64,12 +87,15 @@ def test_measured_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> No
     ([*LLAMA_2XA100[:4], "--num-devices", "8", "--tp", "3"], "tp: tp=3 does not divide"),
     ([*LLAMA_2XA100, "--measured", "/nonexistent.json"], "measured: cannot read"),
     (["--study", "--hardware", "this-machine"], "hardware: the study check needs catalog"),
+    (["--study", "--study-file", "/nonexistent/batch-study.md"],
+     "study: cannot read /nonexistent/batch-study.md: No such file or directory"),
 ])
 def test_errors_name_the_field(argv: list[str], message: str,
                                capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = run(argv, capsys)
-    assert rc == 2
+    assert rc == cli.EXIT_BAD_INPUT
     assert message in err
+    assert "Traceback" not in err
 
 
 def test_bad_measured_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

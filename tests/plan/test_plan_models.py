@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 
 from tokenmill.environment import embedded_model_path
 from tokenmill.plan.errors import PlanError
+from tokenmill.plan.hardware import HardwareSpec
 from tokenmill.plan.model_specs import (
     PRESET_CONFIGS,
     kv_elements_per_token,
@@ -16,6 +19,7 @@ from tokenmill.plan.model_specs import (
     param_counts,
     preset,
 )
+from tokenmill.plan.roofline import PlanConfig, make_setup
 
 # Published totals (model cards / papers) in billions: (total, active). Scout's 109B includes
 # its ~1B vision encoder, which the text-only preset leaves out; hence 2% tolerance.
@@ -123,13 +127,67 @@ def test_gguf_metadata(smollm2_gguf: Path) -> None:
     assert (m.ffn_size, m.vocab_size, m.tie_embeddings) == (1536, 49152, True)
     # the architecture formula must give exactly the file's tensor element count (checked
     # once against gguf.GGUFReader: 272 tensors, 134,515,008 elements, 96,576,768 bytes)
-    assert param_counts(m).total == 134_515_008
-    assert m.native_bytes_per_param is not None
-    stored = m.native_bytes_per_param * 134_515_008
+    c = param_counts(m)
+    assert c.total == 134_515_008
+    w = m.native_widths
+    assert w is not None
+    # the file states a Q8_0 embedding (34 B per block of 32) and Q4_1 blocks (20 B per 32)
+    # with F32 norms (a little above 0.625 B/param)
+    assert w.embedding == 34 / 32
+    assert 0.625 < w.blocks < 0.63
+    stored = c.embedding * w.embedding + c.blocks * w.blocks  # tied: no separate lm_head
     assert stored == pytest.approx(96_576_768)
-    # Q4_1 blocks (20 B per 32 weights) + a Q8_0 embedding: between 0.625 and 1.0625 B/param
-    assert 0.625 < m.native_bytes_per_param < 1.0625
     assert stored < smollm2_gguf.stat().st_size < stored * 1.05  # the rest is the header
+
+
+def _write_untied_gguf(path: Path) -> Path:
+    """A one-layer llama GGUF whose tensors have three widths: Q8_0 token table, F16 output
+    matrix, Q4_0 blocks (18 B per 32 weights) with F32 norms, as llama.cpp's quantisers mix."""
+    d, heads, kv_heads, head_dim, ffn, vocab = 64, 4, 2, 16, 128, 96
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("block_count", 1), ("embedding_length", d), ("attention.head_count", heads),
+                       ("attention.head_count_kv", kv_heads), ("feed_forward_length", ffn),
+                       ("context_length", 256)):
+        writer.add_uint32(f"llama.{key}", value)
+
+    def add(name: str, rows: int, cols: int, kind: gguf.GGMLQuantizationType) -> None:
+        data = rng.standard_normal((rows, cols)).astype(np.float32)
+        if kind == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+
+    q4, f32 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.F32
+    add("token_embd.weight", vocab, d, gguf.GGMLQuantizationType.Q8_0)
+    add("output.weight", vocab, d, gguf.GGMLQuantizationType.F16)
+    add("output_norm.weight", 1, d, f32)
+    for name, rows, cols in (("attn_q", heads * head_dim, d), ("attn_k", kv_heads * head_dim, d),
+                             ("attn_v", kv_heads * head_dim, d), ("attn_output", d, d),
+                             ("ffn_gate", ffn, d), ("ffn_up", ffn, d), ("ffn_down", d, ffn)):
+        add(f"blk.0.{name}.weight", rows, cols, q4)
+    add("blk.0.attn_norm.weight", 1, d, f32)
+    add("blk.0.ffn_norm.weight", 1, d, f32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_states_its_own_tensor_widths(tmp_path: Path, fake_machine: HardwareSpec) -> None:
+    # a GGUF's stored bytes are used role by role, not as one average: the untied output
+    # matrix read every decode step is F16 here, wider than the Q4_0 blocks
+    m = load_model(str(_write_untied_gguf(tmp_path / "tiny.gguf")))
+    assert not m.tie_embeddings and m.default_weight_dtype == "native"
+    w = m.native_widths
+    assert w is not None
+    assert (w.embedding, w.lm_head) == (34 / 32, 2.0)
+    c = param_counts(m)
+    norms = 3 * 64  # two per layer + the final one, stored as F32
+    assert w.blocks * c.blocks == pytest.approx((c.blocks - norms) * 18 / 32 + norms * 4)
+    setup = make_setup(m, fake_machine, PlanConfig(input_len=8, output_len=8))
+    assert setup.weight_bytes == pytest.approx(96 * 64 * (34 / 32 + 2) + w.blocks * c.blocks)
 
 
 def test_default_model_is_the_embedded_gguf(smollm2_gguf: Path) -> None:

@@ -55,6 +55,28 @@ def test_parse_figure(text: str, value: float, half: float) -> None:
     assert fig.half_unit == pytest.approx(half)
 
 
+def test_missing_study_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(PlanError, match=r"^study: cannot read .*missing\.md: No such file"):
+        load_study(tmp_path / "missing.md")
+    with pytest.raises(PlanError, match=r"^study: cannot read .*: Is a directory"):
+        load_study(tmp_path)
+
+
+def test_default_study_file_missing_points_at_the_option(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import tokenmill.plan.study as study_module
+
+    monkeypatch.setattr(study_module, "DEFAULT_STUDY", tmp_path / "batch-study.md")
+    with pytest.raises(PlanError, match=r"--study-file PATH"):
+        load_study()
+
+
+def test_study_file_that_is_not_text(tmp_path: Path) -> None:
+    (tmp_path / "s.md").write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(PlanError, match=r"^study: .*s\.md is not UTF-8 text"):
+        load_study(tmp_path / "s.md")
+
+
 def test_parse_figure_rejects_text() -> None:
     with pytest.raises(PlanError, match=r"^study: not a number"):
         parse_figure("n/a")
@@ -100,13 +122,14 @@ def test_deployment_is_the_smallest_that_holds_the_largest_batch() -> None:
     s = study()
     llama = preset("llama-3.1-70b")
     d = implied_deployment(llama, s)
-    # 2xH100: 144 GB usable - 141 GB of bf16 weights leaves room for 3 requests, not 64
+    # 2xH100: 2 x 85.5 GB x 0.9 = 153.9 GB usable - 141.1 GB of bf16 weights leaves room for
+    # 15 requests of 0.84 GB, not 64
     assert d == Deployment("h100-sxm", 4, "bf16")
     smaller = make_setup(llama, CATALOG["h100-sxm"], study_config(s, Deployment("h100-sxm", 2,
                                                                                "bf16")))
     assert memory_plan(smaller).max_batch < 64
     assert implied_deployment(llama, s, ("a100-80gb",)) == Deployment("a100-80gb", 4, "bf16")
-    # DeepSeek-V3's 671 GB of fp8 weights exceed 8 x 80 GB x 0.9: only H200 nodes hold it
+    # DeepSeek-V3's 673 GB of fp8 weights exceed 8 x 85.5 GB x 0.9: only H200 nodes hold it
     assert implied_deployment(preset("deepseek-v3"), s) == Deployment("h200", 8, "fp8")
 
 

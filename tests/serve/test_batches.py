@@ -1,5 +1,6 @@
-"""The Batch API end to end with the `openai` client, including a server restart mid-batch; the
-files behind it: uploads checked as they are copied in, listed, deleted."""
+"""The Batch API end to end with the `openai` client, including a server restart mid-batch and a
+batch that outlives its completion window; the files behind it: uploads checked as they are
+copied in, listed, deleted, expired."""
 
 from __future__ import annotations
 
@@ -42,6 +43,35 @@ def client_for(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
 
 
+def jsonl(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()] if file_id else []
+
+
+def summed_usage(rows: list[dict]) -> dict:
+    """OpenAI's batch `usage`, added up from the output rows' response bodies."""
+    usages = [row["response"]["body"]["usage"] for row in rows]
+    prompt, completion = sum(u["prompt_tokens"] for u in usages), sum(u["completion_tokens"] for u in usages)
+    return {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
+            "input_tokens_details": {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)},
+            "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+class Clock:
+    """The server's clock, which a test moves forward (a day in an instant)."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.ahead
+
+
+DAY = 24 * 3600
+OPENAI_ERROR_ROW = {"id", "custom_id", "response", "error"}
+EXPIRED = {"code": "batch_expired",  # OpenAI's
+           "message": "This request could not be executed before the completion window expired."}
+
+
 def test_batch_round_trip_across_a_restart(serve_llm, tmp_path: Path) -> None:
     lines = 16
     with serving(serve_llm, tmp_path) as server:
@@ -66,6 +96,7 @@ def test_batch_round_trip_across_a_restart(serve_llm, tmp_path: Path) -> None:
         assert done.status == "completed", done
         assert done.request_counts.completed == lines and done.request_counts.failed == 1
         assert done.in_progress_at and done.finalizing_at and done.completed_at
+        assert done.expires_at == done.created_at + DAY and done.expired_at is None and done.model == MODEL
         results = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
         errors = [json.loads(line) for line in client.files.content(done.error_file_id).text.splitlines()]
         assert [b.id for b in client.batches.list().data] == [batch.id]
@@ -77,6 +108,10 @@ def test_batch_round_trip_across_a_restart(serve_llm, tmp_path: Path) -> None:
         assert row["response"]["status_code"] == 200 and body["model"] == MODEL
         assert body["usage"]["completion_tokens"] == 2 + 2 * i and body["choices"][0]["finish_reason"] == "length"
     assert [e["custom_id"] for e in errors] == ["bad"] and "max_tokens" in errors[0]["error"]["message"]
+    # OpenAI's error row exactly: the input line leads the message instead of being a field of its own.
+    assert set(errors[0]) == OPENAI_ERROR_ROW and errors[0]["error"]["message"].startswith(f"line {lines + 1}: ")
+    assert done.usage.model_dump() == summed_usage(results)  # every result's tokens, the restart's included
+    assert done.usage.output_tokens == sum(2 + 2 * i for i in range(lines))
 
 
 def test_cancel_and_failed_batches(serve_llm, tmp_path: Path) -> None:
@@ -96,12 +131,112 @@ def test_cancel_and_failed_batches(serve_llm, tmp_path: Path) -> None:
         failed = client.batches.create(input_file_id=wrong.id, endpoint="/v1/chat/completions",
                                        completion_window="24h")
         failed = wait_for(client, failed.id, lambda b: b.status == "failed")
-        assert "endpoint" in failed.errors.data[0].message
+        assert [(e.line, e.code) for e in failed.errors.data] == [(1, "invalid_input"), (2, "invalid_input")]
+        assert "endpoint" in failed.errors.data[0].message and failed.failed_at and failed.usage is None
         try:
             client.batches.create(input_file_id="file-nope", endpoint="/v1/completions", completion_window="24h")
             raise AssertionError("expected a 404")
         except openai.NotFoundError:
             pass
+
+
+def test_a_batch_past_its_completion_window_expires_keeping_what_is_done(serve_llm, tmp_path: Path) -> None:
+    """The running batch stops at its deadline: its finished rows stay in the output file, each
+    unfinished request gets one `batch_expired` error row. A batch queued behind it, whose window
+    closed before it could start, expires without running anything."""
+    short, long_ = 4, 3
+    rows = [{"custom_id": f"short-{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"model": MODEL, "prompt": f"Item {i}", "max_tokens": 2, "ignore_eos": True}}
+            for i in range(short)]
+    rows += [{"custom_id": f"long-{i}", "method": "POST", "url": "/v1/completions",  # minutes on this CPU
+              "body": {"model": MODEL, "prompt": f"Story {i}", "max_tokens": 400, "ignore_eos": True}}
+             for i in range(long_)]
+    rows.append({"custom_id": "bad", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": 2}})
+    clock = Clock()
+    with serving(serve_llm, tmp_path, clock=clock) as server:
+        client = client_for(server)
+        data = io.BytesIO(b"".join(json.dumps(r).encode() + b"\n" for r in rows))
+        running = client.batches.create(input_file_id=client.files.create(file=("a.jsonl", data), purpose="batch").id,
+                                        endpoint="/v1/completions", completion_window="24h")
+        queued_input = client.files.create(file=("b.jsonl", io.BytesIO(batch_file(2, bad=False))), purpose="batch")
+        queued = client.batches.create(input_file_id=queued_input.id, endpoint="/v1/completions",
+                                       completion_window="24h")
+        wait_for(client, running.id, lambda b: b.request_counts.completed == short)
+        assert client.batches.retrieve(queued.id).status == "validating"  # one batch runs at a time
+        clock.ahead = DAY
+        expired = wait_for(client, running.id, lambda b: b.status == "expired", timeout=10)
+        late = wait_for(client, queued.id, lambda b: b.status == "expired", timeout=10)
+        results, errors = jsonl(client, expired.output_file_id), jsonl(client, expired.error_file_id)
+        late_errors = jsonl(client, late.error_file_id)
+        # The long requests were aborted, not left running (the engine thread takes the aborts from
+        # its queue a moment after the batch has ended).
+        deadline = time.monotonic() + 5
+        while server.state.loop.snapshot.num_running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.state.loop.snapshot.num_running == 0
+
+    assert expired.expired_at >= expired.expires_at == expired.created_at + DAY
+    assert expired.completed_at is None and expired.model == MODEL
+    assert (expired.request_counts.total, expired.request_counts.completed, expired.request_counts.failed) == (
+        short + long_ + 1, short, long_ + 1)
+    assert sorted(r["custom_id"] for r in results) == [f"short-{i}" for i in range(short)]
+    assert all(set(e) == OPENAI_ERROR_ROW for e in errors + late_errors)
+    by_id = {e["custom_id"]: e for e in errors}
+    assert len(by_id) == len(errors) == long_ + 1  # one row each, nothing twice
+    for i in range(long_):
+        assert by_id[f"long-{i}"]["response"] is None
+        assert by_id[f"long-{i}"]["error"] == EXPIRED
+    assert by_id["bad"]["error"]["code"] == "invalid_input"
+    assert by_id["bad"]["error"]["message"].startswith(f"line {len(rows)}: ")
+    assert expired.usage.model_dump() == summed_usage(results) and expired.usage.output_tokens == 2 * short
+
+    assert late.in_progress_at is None and late.output_file_id is None and late.request_counts.completed == 0
+    assert sorted(e["custom_id"] for e in late_errors) == ["r-0", "r-1"]
+    assert all(e["error"] == EXPIRED for e in late_errors)
+    assert late.usage.total_tokens == 0
+
+
+def test_output_files_expire_as_asked(serve_llm, tmp_path: Path) -> None:
+    clock = Clock()
+    with serving(serve_llm, tmp_path, clock=clock) as server:
+        client = client_for(server)
+        uploaded = client.files.create(file=("in.jsonl", io.BytesIO(batch_file(2))), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h",
+                                      output_expires_after={"anchor": "created_at", "seconds": 3600})
+        assert batch.output_expires_after == {"anchor": "created_at", "seconds": 3600}
+        done = wait_for(client, batch.id, lambda b: b.status == "completed")
+        outputs = [client.files.retrieve(done.output_file_id), client.files.retrieve(done.error_file_id)]
+        assert [f.expires_at - f.created_at for f in outputs] == [3600, 3600]
+        assert client.files.retrieve(uploaded.id).expires_at is None  # an upload stays
+
+        clock.ahead = 3600
+        assert {f.id for f in client.files.list()} == {uploaded.id}
+        for output in outputs:
+            with pytest.raises(openai.NotFoundError):
+                client.files.content(output.id)
+        assert jsonl(client, uploaded.id)  # still there
+
+
+def test_a_bad_batch_option_is_a_400_naming_it(serve_llm, tmp_path: Path) -> None:
+    refused = [
+        ("output_expires_after", {"anchor": "last_active_at", "seconds": 3600},
+         "output_expires_after.anchor must be 'created_at', got 'last_active_at'"),
+        ("output_expires_after", {"anchor": "created_at", "seconds": 3599},
+         "output_expires_after.seconds must be an integer from 3600 (1 hour) to 2592000 (30 days), got 3599"),
+        ("output_expires_after", {"anchor": "created_at", "seconds": 2592001}, "output_expires_after.seconds must be"),
+        ("output_expires_after", {"anchor": "created_at", "seconds": "3600"}, "output_expires_after.seconds: "),
+        ("output_expires_after", {"anchor": "created_at"}, "output_expires_after.seconds: Field required"),
+        ("completion_window", "48h", "completion_window must be one of ['24h'], got '48h'"),
+    ]
+    with serving(serve_llm, tmp_path) as server:
+        file_id = upload(server, batch_file(1, bad=False)).json()["id"]
+        for field, value, message in refused:
+            body = {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h", field: value}
+            response = httpx.post(f"{server.v1}/batches", json=body)
+            assert response.status_code == 400, (field, value)
+            error = response.json()["error"]
+            assert error["param"] == field and error["message"].startswith(message), error
+        assert httpx.get(f"{server.v1}/batches").json()["data"] == []  # none was created
 
 
 def upload(server, data: bytes, purpose: str = "batch") -> httpx.Response:

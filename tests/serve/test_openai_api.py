@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator, Callable
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serve.conftest import MODEL, Running
 from tokenmill.serve.openai_api import _EventStream
@@ -276,6 +277,58 @@ def test_bad_requests_through_the_client_and_raw(server: Running, client: openai
 def test_no_api_key_needed_when_none_is_set(server: Running) -> None:
     assert httpx.get(f"{server.v1}/models").status_code == 200
     assert httpx.get(f"{server.v1}/models", headers={"Authorization": "Bearer anything"}).status_code == 200
+
+
+def scrape(server: Running) -> dict[tuple[str, frozenset], float]:
+    """Every sample of /metrics: (name, its labels) → value."""
+    text = httpx.get(f"{server.url}/metrics").text
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def test_vllm_named_metrics_move_with_the_tokenmill_ones(server: Running, client: openai.OpenAI) -> None:
+    """Dashboards built for vLLM read the same numbers: vLLM's names, with its model_name label."""
+    model = {"model_name": MODEL}
+
+    def vllm(name: str, **labels: str) -> tuple[str, frozenset]:
+        return name, frozenset({**model, **labels}.items())
+
+    def plain(name: str, **labels: str) -> tuple[str, frozenset]:
+        return name, frozenset(labels.items())
+
+    before = scrape(server)
+    out = client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=3, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    after = scrape(server)
+
+    def moved(key: tuple[str, frozenset]) -> float:
+        return after[key] - before.get(key, 0.0)
+
+    assert moved(vllm("vllm:prompt_tokens_total")) == out.usage.prompt_tokens
+    assert moved(vllm("vllm:generation_tokens_total")) == 3
+    assert moved(vllm("vllm:request_success_total", finished_reason="length")) == 1
+    assert moved(vllm("vllm:request_success_total", finished_reason="stop")) == 0
+    assert moved(vllm("vllm:time_to_first_token_seconds_count")) == 1
+    assert moved(vllm("vllm:e2e_request_latency_seconds_bucket", le="+Inf")) == 1
+    for itl in ("vllm:inter_token_latency_seconds_count", "vllm:time_per_output_token_seconds_count"):
+        assert moved(vllm(itl)) == 2  # between token 1 and 2, 2 and 3
+    assert moved(vllm("vllm:prefix_cache_queries_total")) >= out.usage.prompt_tokens - 1
+    assert moved(vllm("vllm:prefix_cache_hits_total")) == out.usage.prompt_tokens_details.cached_tokens
+    assert after[vllm("vllm:num_requests_running")] == after[vllm("vllm:num_requests_waiting")] == 0
+    assert 0 <= after[vllm("vllm:kv_cache_usage_perc")] <= 1
+    assert vllm("vllm:num_preemptions_total") in after
+
+    # One bookkeeping, two names: every vLLM series is a tokenmill one, value for value.
+    pairs = (("tokenmill_prompt_tokens_total", "vllm:prompt_tokens_total"),
+             ("tokenmill_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc"),
+             ("tokenmill_inter_token_latency_seconds_sum", "vllm:time_per_output_token_seconds_sum"))
+    for tokenmill, vllm_name in pairs:
+        assert after[plain(tokenmill)] == after[vllm(vllm_name)], vllm_name
+    assert after[plain("tokenmill_requests_finished_total", finish_reason="abort")] == after[
+        vllm("vllm:request_success_total", finished_reason="abort")]
+    text = httpx.get(f"{server.url}/metrics").text  # as Prometheus reads it: the colon kept, the label beside it
+    assert f'vllm:generation_tokens_total{{model_name="{MODEL}"}} ' in text
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
 
 
 def test_metrics(server: Running) -> None:

@@ -11,6 +11,8 @@ from tokenmill.bench.runner import SweepConfig, run_sweep
 from tokenmill.bench.workloads import DISTRIBUTIONS, LengthSpec, Workload
 from tokenmill.engine.args import add_engine_arguments, engine_kwargs
 from tokenmill.environment import CLIENT_API_KEY_ENV, client_api_key
+from tokenmill.plan.price import FLAG_HELP as PRICE_HELP
+from tokenmill.plan.price import hourly_price_arg
 from tokenmill.vllm_engine import add_engine_choice, check_engine_flags, vllm_engine_args
 
 # The protocol of the published batch-throughput study (docs/bench.md, batch-study.md).
@@ -49,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--num-requests", type=int, help="requests per run (default: the batch size)")
     s.add_argument("--warmup", type=int, default=2, help="warm-up requests, not counted (2)")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--price-per-hour", help="$ per hour, or a hardware name from the planner's catalog")
+    s.add_argument("--price-per-hour", type=hourly_price_arg, help=PRICE_HELP)
     s.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (bench-results/)")
     # The sweep sets max_num_seqs (the largest batch size); --seed above seeds the workload; --tokenizer
     # above builds endpoint prompts.
@@ -110,29 +112,12 @@ def resolve(args: argparse.Namespace) -> tuple[Workload, SweepConfig]:
     if args.prefix_len and args.prefix_len >= inp.mean:
         raise ValueError(f"prefix-len: {args.prefix_len} must be below input-len {inp.mean}")
     workload = Workload(inp, out, args.prefix_len, args.num_prefixes, args.prompts, args.preset or name)
-    price, source = resolve_price(args.price_per_hour)
+    price = args.price_per_hour  # an HourlyPrice: the reports say which catalog entry priced them
     cfg = SweepConfig(batches, _pick(args, "runs"), args.num_requests, args.warmup, args.seed,
-                      price, source, args.preset)
+                      None if price is None else price.usd, None if price is None else price.source, args.preset)
     return workload, cfg
 
 
-def resolve_price(value: str | None) -> tuple[float | None, str | None]:
-    """A number of $/hour, or a planner catalog name (its default $/device-hour)."""
-    if value is None:
-        return None, None
-    try:
-        price = float(value)
-    except ValueError:
-        from tokenmill.plan.catalog import CATALOG
-
-        spec = CATALOG.get(value.strip().lower())
-        if spec is None:
-            raise ValueError(f"price-per-hour: {value!r} is neither a number nor a catalog hardware "
-                             f"(known: {', '.join(CATALOG)})") from None
-        return spec.price_per_hour, f"catalog {spec.name}"
-    if price < 0:
-        raise ValueError(f"price-per-hour: must be >= 0, got {price}")
-    return price, "--price-per-hour"
 
 
 def build_target(args: argparse.Namespace, max_batch: int, engine: str = "embedded") -> Any:

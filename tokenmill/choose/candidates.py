@@ -22,7 +22,8 @@ from tokenmill.jobs.config import JobConfig
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # `choose` decides these for every candidate: its sample, its folder, and starting afresh.
-RESERVED = ("-o", "--output", "--errors", "--overwrite", "--input-format", "--strict")
+RESERVED = ("-o", "--output", "--errors", "--overwrite", "--input-format", "--strict", "--prompt-column",
+            "--id-column")
 
 
 class CandidateError(ValueError):

@@ -18,7 +18,10 @@ from tokenmill.choose.results import CLEAR_BY, DONE
 from tokenmill.choose.runner import ChooseConfig, choose
 from tokenmill.choose.scorers import DEFAULT_SCORER, SCORERS
 from tokenmill.environment import CLIENT_API_KEY_ENV, client_api_key
-from tokenmill.jobs.spec import FORMATS
+from tokenmill.jobs import cli as run_cli
+from tokenmill.jobs.spec import FORMATS, DocumentOptions
+from tokenmill.plan.price import FLAG_HELP as PRICE_HELP
+from tokenmill.plan.price import price_per_hour_arg
 
 EXIT_OK, EXIT_NOT_ALL_DONE, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -42,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"rows to draw (default {ChooseConfig.sample}; all rows if the job has fewer)")
     add("--seed", type=int, default=ChooseConfig.seed, help=f"the draw's seed (default {ChooseConfig.seed})")
     add("--input-format", choices=FORMATS, default="auto", help="the job's format (default: by suffix and first line)")
-    add("--price-per-hour", type=float, help="$/hour for candidates that give no price of their own")
+    run_cli.add_csv_column_arguments(parser)
+    add("--price-per-hour", type=price_per_hour_arg,
+        help=f"for candidates that give no price of their own: {PRICE_HELP}")
     add("--hardware", help="also show each embedded candidate's ceiling $/M on this hardware (the planner's "
         "catalog name, or this-machine): a bound, not a measurement")
     add("--overwrite", action="store_true", help="discard this folder's sample and runs and start over")
@@ -103,6 +108,7 @@ def _config(args: argparse.Namespace) -> ChooseConfig:
         job=args.job, expected=args.expected, output=args.output, candidates=candidates,
         min_quality=args.min_quality, clear_by=args.clear_by, scorer=args.scorer, schema=_schema(args),
         judge=_judge(args), sample=args.sample, seed=args.seed, input_format=args.input_format,
+        csv_columns=DocumentOptions(prompt_column=args.prompt_column, id_column=args.id_column),
         hardware=args.hardware, overwrite=args.overwrite, progress=not args.no_progress,
     )
 

@@ -40,7 +40,7 @@ from tokenmill.jobs.output import (
     write_json_atomic,
 )
 from tokenmill.jobs.runner import EXIT_INTERRUPTED, run_job
-from tokenmill.jobs.spec import read_input
+from tokenmill.jobs.spec import DocumentOptions, read_input
 
 CANDIDATES, RUNS_FILE, CANDIDATE_FILE = "candidates", "runs.jsonl", "candidate.json"
 
@@ -59,6 +59,7 @@ class ChooseConfig:
     sample: int = 200
     seed: int = 0
     input_format: str = "auto"
+    csv_columns: DocumentOptions = field(default_factory=DocumentOptions)  # a CSV job's prompt and id columns
     hardware: str | None = None
     overwrite: bool = False
     progress: bool = True
@@ -69,7 +70,7 @@ def choose(config: ChooseConfig, console: Console) -> ChooseReport:
     """Run every candidate on the sample and decide. Raises JobError for input that cannot be
     used (before any run), ScorerError for a scorer that fails on a row, KeyboardInterrupt when
     stopped (what ran is kept: the same command resumes)."""
-    job = read_job(config.job, config.input_format)
+    job = read_job(config.job, config.input_format, config.csv_columns)
     expected = read_expected(config.expected)
     eligible = _eligible(job, expected, config)
     scorer = None if config.judge else make_scorer(config.scorer, expected, config.schema)

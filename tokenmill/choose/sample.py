@@ -14,9 +14,10 @@ import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from tokenmill.jobs.output import JobError, write_json_atomic
-from tokenmill.jobs.spec import DocumentOptions, Entry, decode_line, json_object_line, read_input
+from tokenmill.jobs.spec import CsvLayout, DocumentOptions, Entry, decode_line, json_object_line, read_input
 
 SAMPLE_FILE, RECORD_FILE = "sample.jsonl", "choose.json"
 RUN_FOLDERS = ("candidates", "judge")  # what --overwrite clears (besides the two files above)
@@ -28,11 +29,12 @@ class JobRows:
     which the whole job's prompt tokens are projected."""
 
     path: Path
-    format: str  # "batch" | "jsonl" | "text"
+    format: str  # "batch" | "jsonl" | "text" | "csv"
     sha256: str
     entries: list[Entry]
     sizes: dict[str, int]  # custom_id → bytes of its line
     invalid_lines: int
+    csv_layout: CsvLayout | None = None  # a CSV job's header
 
     @property
     def ids(self) -> list[str]:
@@ -46,8 +48,9 @@ class Sample:
     reused: bool  # an earlier `choose` in this folder drew it
 
 
-def read_job(path: Path, input_format: str = "auto") -> JobRows:
-    spec = read_input(path, DocumentOptions(), input_format)
+def read_job(path: Path, input_format: str = "auto", csv_columns: DocumentOptions | None = None) -> JobRows:
+    """`csv_columns`: a CSV job's prompt and id columns (DocumentOptions.prompt_column, id_column)."""
+    spec = read_input(path, csv_columns or DocumentOptions(), input_format)
     if not spec.entries:
         raise JobError(f"{path}: no valid rows to sample ({len(spec.errors)} bad line(s))")
     sizes = {}
@@ -55,7 +58,7 @@ def read_job(path: Path, input_format: str = "auto") -> JobRows:
         for entry in spec.entries:
             f.seek(entry.offset)
             sizes[entry.custom_id] = len(f.readline())
-    return JobRows(path, spec.format, spec.sha256, spec.entries, sizes, len(spec.errors))
+    return JobRows(path, spec.format, spec.sha256, spec.entries, sizes, len(spec.errors), spec.csv_layout)
 
 
 def draw(ids: list[str], size: int, seed: int) -> list[str]:
@@ -104,15 +107,21 @@ def _write_rows(job: JobRows, ids: set[str], path: Path) -> None:
         for entry in job.entries:
             if entry.custom_id in ids:
                 src.seek(entry.offset)
-                dst.write(_sample_line(src.readline(), entry, job.format))
+                dst.write(_sample_line(src, entry, job))
     os.replace(tmp, path)
 
 
-def _sample_line(raw: bytes, entry: Entry, fmt: str) -> bytes:
-    """The job's line as a sample line that keeps its id (its line number there is lost)."""
-    if fmt == "batch":
+def _sample_line(src: BinaryIO, entry: Entry, job: JobRows) -> bytes:
+    """The job's row that starts where `src` stands, as a sample line that keeps its id (its line
+    number there is lost)."""
+    if job.csv_layout is not None:
+        record = job.csv_layout.read_record(src)
+        row = {"id": entry.custom_id, "prompt": job.csv_layout.prompt_of(record)}
+        return (json.dumps(row, ensure_ascii=False) + "\n").encode()
+    raw = src.readline()
+    if job.format == "batch":
         return raw if raw.endswith(b"\n") else raw + b"\n"
-    if fmt == "text":
+    if job.format == "text":
         row = {"id": entry.custom_id, "prompt": decode_line(raw, entry.line).strip()}
     else:
         row = {**json_object_line(raw, entry.line), "id": entry.custom_id}

@@ -10,13 +10,19 @@ from tokenmill.engine.llm import DEFAULT_CHAT_TEMPLATE_KWARGS, LLM, chat_prompt_
 from tokenmill.engine.llm_engine import EngineRequest, LLMEngine, Prompt
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.perplexity import Perplexity, perplexity
-from tokenmill.engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutputsParams
+from tokenmill.engine.sampling_params import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TEMPERATURE,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from tokenmill.engine.scheduler import SchedulerMetrics, SchedulerStats
 from tokenmill.engine.sequence import RequestTimings
 
 __all__ = [
     "DEFAULT_CHAT_TEMPLATE_KWARGS",
     "DEFAULT_MAX_TOKENS",
+    "DEFAULT_TEMPERATURE",
     "LLM",
     "EngineConfig",
     "EngineRequest",

@@ -15,7 +15,9 @@ from tokenmill.engine.args import (
 )
 from tokenmill.engine.llm import LLM
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
+from tokenmill.engine.sampling_params import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, SamplingParams
+from tokenmill.plan.price import FLAG_HELP as PRICE_HELP
+from tokenmill.plan.price import price_per_hour_arg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,10 +26,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS})")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    p.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
+                   help=f"0 = greedy (default {DEFAULT_TEMPERATURE:g}, OpenAI's, as in `run` and `serve`)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, help="sampling seed, the same for every prompt")
-    p.add_argument("--price-per-hour", type=float, help="hardware $/hour, to print the cost per token")
+    p.add_argument("--price-per-hour", type=price_per_hour_arg, help=f"to print the cost per token: {PRICE_HELP}")
     add_structured_output_arguments(p)
     # The engine's own seed is left out: --seed above already seeds every prompt of this command.
     add_engine_arguments(p, exclude=("seed",))

@@ -105,6 +105,15 @@ class EngineConfig:
         return _DTYPES[self.dtype]
 
     def resolved_device(self) -> torch.device:
+        """The device to run on; ValueError, before any loading, for a GPU this machine lacks."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                build = "has no CUDA" if torch.version.cuda is None else "finds no GPU"
+                raise ValueError(f"--device {self.device}: this torch ({torch.__version__}) {build}; use --device "
+                                 "cpu, or install torch's CUDA build (README: \"A GPU\")")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ValueError(f"--device {self.device}: this machine has {torch.cuda.device_count()} GPU(s)")
+        return device

@@ -10,6 +10,9 @@ from typing import Any
 # offline API, `tokenmill generate`, batch-job rows and server requests without max_tokens.
 # Batch answers (labels, extractions, summaries) fit; a longer answer asks for more.
 DEFAULT_MAX_TOKENS = 256
+# … and for its temperature: OpenAI's, so a row or request means the same here as there. Greedy
+# answers ask for temperature 0.
+DEFAULT_TEMPERATURE = 1.0
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ class StructuredOutputsParams:
 class SamplingParams:
     max_tokens: int = DEFAULT_MAX_TOKENS
     min_tokens: int = 0  # EOS and stop tokens are suppressed until this many are generated
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = DEFAULT_TEMPERATURE  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     seed: int | None = None  # per-request seed: same seed, same output, whatever the batch

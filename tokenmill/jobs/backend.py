@@ -71,13 +71,13 @@ class ResultSink:
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
 
     def result(self, request: BatchRequest, body: dict[str, Any], request_id: str | None = None) -> None:
-        self._results.write(output.result_row(request.custom_id, body, request_id))
+        self._results.write(output.result_row(request.custom_id, body, request_id, request.metadata))
         self._count_result(body, request.structured)
 
     def error(
         self, request: BatchRequest, code: str, message: str, response: dict[str, Any] | None = None
     ) -> None:
-        self._errors.write(output.error_row(request.custom_id, request.line, code, message, response))
+        self._errors.write(output.error_row(request.custom_id, request.line, code, message, response, request.metadata))
         self._count_error(code)
 
     def row(self, row: dict[str, Any], structured: bool = False) -> None:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tokenmill.engine import DEFAULT_MAX_TOKENS
+from tokenmill.engine import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
 from tokenmill.engine.args import (
     add_engine_arguments,
     add_structured_output_arguments,
@@ -19,8 +19,10 @@ from tokenmill.jobs.backend import Backend, BackendUnavailable
 from tokenmill.jobs.config import ORDERS, JobConfig
 from tokenmill.jobs.output import JobError, JobFailed
 from tokenmill.jobs.runner import run_job
-from tokenmill.jobs.spec import FORMATS, DocumentOptions
+from tokenmill.jobs.spec import FORMATS, ID_COLUMNS, PROMPT_COLUMNS, DocumentOptions
 from tokenmill.openai_compat import structured_outputs_body
+from tokenmill.plan.price import FLAG_HELP as PRICE_HELP
+from tokenmill.plan.price import price_per_hour_arg
 from tokenmill.vllm_engine import add_engine_choice, check_engine_flags, vllm_engine_args
 
 EXIT_JOB_FAILED = 3  # started, then could not go on (Ray stalled, endpoint down past --retry-for); re-run resumes
@@ -36,12 +38,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a folder (results.jsonl, errors.jsonl, summary.json, job.json in it) or a results .jsonl file")
     add("--errors", type=Path, help="errors JSONL (default: beside the results)")
     add("--input-format", choices=FORMATS, default="auto", help="default: by suffix and first line")
+    add_csv_column_arguments(parser)
     docs = parser.add_argument_group("turning documents into requests (and filling request bodies)")
     docs.add_argument("--system", help="system message for each document (and message lists without one)")
     docs.add_argument("--template", help='user message with "{text}" where the document goes')
     docs.add_argument("--max-tokens", type=int,
-                      help=f"for bodies without max_tokens (default {DEFAULT_MAX_TOKENS})")
-    docs.add_argument("--temperature", type=float, help="for bodies without temperature (default 1.0)")
+                      help=f"for bodies without max_tokens, whatever the backend (default {DEFAULT_MAX_TOKENS}); "
+                      "the summary counts the rows it capped")
+    docs.add_argument("--temperature", type=float,
+                      help=f"for bodies without temperature (default {DEFAULT_TEMPERATURE:g}, OpenAI's; 0 = greedy)")
     docs.add_argument("--completions", action="store_true",
                       help="send documents to /v1/completions as plain prompts instead of chat")
     add_structured_output_arguments(
@@ -65,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="input order, or the biggest requests first, in length buckets (see docs/jobs.md)")
     run.add_argument("--strict", action="store_true", help="refuse the whole job if any line is bad")
     run.add_argument("--overwrite", action="store_true", help="discard existing output files and start over")
-    run.add_argument("--price-per-hour", type=float, help="hardware $/hour, for cost per token in the summary")
+    run.add_argument("--price-per-hour", type=price_per_hour_arg, help=f"for the cost in the summary: {PRICE_HELP}")
     run.add_argument("--no-progress", action="store_true", help="no live progress bar")
     ray = parser.add_argument_group("scaling out on a Ray cluster (pip install 'tokenmill[ray]'; docs/jobs.md)")
     ray.add_argument("--ray", action="store_true", help="run the job data parallel on Ray, one engine per replica")
@@ -84,6 +89,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser, title="the embedded engine (EngineConfig; not used with --endpoint)", help={
         "model": "embedded: GGUF file, HF folder or hub id (default: the embedded SmolLM2); with --endpoint: "
                  "the model name sent in every body"})
+
+
+def add_csv_column_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("CSV input (.csv, .tsv, or --input-format csv): the other columns are "
+                                      "kept as each row's metadata")
+    group.add_argument("--prompt-column", metavar="NAME",
+                       help=f"the prompt's column (default: {' or '.join(PROMPT_COLUMNS)})")
+    group.add_argument("--id-column", metavar="NAME",
+                       help=f"the custom_id's column (default: {' or '.join(ID_COLUMNS)} if there is one, "
+                       "else line-N)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,6 +121,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         system=args.system, template=args.template, max_tokens=args.max_tokens,
         temperature=args.temperature, model=args.model if args.endpoint else None,
         completions=args.completions, structured_outputs=_structured_outputs(args),
+        prompt_column=args.prompt_column, id_column=args.id_column,
     )
     return JobConfig(
         input=_input(args), output=args.output, options=options, errors=args.errors,

@@ -16,6 +16,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,31 +72,51 @@ class OutputPaths:
         return self.results, self.errors
 
 
+# An error row names its input line at the start of its message: OpenAI's row has no field for it.
+_LINE_PREFIX = "line {}: "
+_LINE_OF_MESSAGE = re.compile(r"line (\d+): ")
+
+
 # ---- rows --------------------------------------------------------------------------------------
-def result_row(custom_id: str, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
-    return {
+def result_row(
+    custom_id: str, body: dict[str, Any], request_id: str | None = None, metadata: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """OpenAI's batch output row; `metadata` (a CSV row's other columns) is the one field added,
+    and only to the rows of a CSV job."""
+    row = {
         "id": new_id("batch_req_"),
         "custom_id": custom_id,
         "response": {"status_code": 200, "request_id": request_id or new_id("req_"), "body": body},
         "error": None,
     }
+    return row if metadata is None else {**row, "metadata": metadata}
 
 
 def error_row(
-    custom_id: str | None, line: int, code: str, message: str, response: dict[str, Any] | None = None
+    custom_id: str | None, line: int | None, code: str, message: str, response: dict[str, Any] | None = None,
+    metadata: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """`response` is the server's reply for an HTTP error (status_code, request_id, body)."""
-    return {
+    """OpenAI's error row; the input line, where given, leads the message ("line 7: ...") because a
+    bad line may have no custom_id to tie it back. `response` is the server's reply for an HTTP
+    error (status_code, request_id, body); `metadata` as in `result_row`."""
+    prefix = "" if line is None else _LINE_PREFIX.format(line)
+    row = {
         "id": new_id("batch_req_"),
         "custom_id": custom_id,
-        "line": line,  # not in OpenAI's format: ties the row to the input line (bad lines have no id)
         "response": response,
-        "error": {"code": code, "message": message},
+        "error": {"code": code, "message": prefix + message},
     }
+    return row if metadata is None else {**row, "metadata": metadata}
+
+
+def line_of(row: dict[str, Any]) -> int | None:
+    """The input line an error row is about, read back from its message."""
+    match = _LINE_OF_MESSAGE.match(str((row.get("error") or {}).get("message", "")))
+    return int(match.group(1)) if match else None
 
 
 def input_error_row(error: InputError) -> dict[str, Any]:
-    return error_row(error.custom_id, error.line, INVALID_INPUT, error.message)
+    return error_row(error.custom_id, error.line, INVALID_INPUT, error.reason)
 
 
 def is_final(row: dict[str, Any]) -> bool:
@@ -215,7 +236,9 @@ def scan_outputs(paths: OutputPaths) -> OutputState:
         rewrite_jsonl(paths.errors, final)
     for row in final:
         if (row.get("error") or {}).get("code") == INVALID_INPUT:
-            state.invalid_lines.add(row.get("line"))
+            line = line_of(row)
+            if line is not None:
+                state.invalid_lines.add(line)
         elif isinstance(row.get("custom_id"), str) and row["custom_id"] not in state.done:
             state.failed.add(row["custom_id"])
     return state

@@ -147,7 +147,8 @@ def to_item(request: BatchRequest) -> dict[str, Any]:
     # The body travels as JSON text: Arrow would otherwise infer a struct schema per block, and
     # bodies with different fields would not fit one dataset.
     return {"custom_id": request.custom_id, "line": request.line, "url": request.url,
-            "body": json.dumps(request.body, ensure_ascii=False)}
+            "body": json.dumps(request.body, ensure_ascii=False),
+            "metadata": json.dumps(request.metadata, ensure_ascii=False)}
 
 
 def build_dataset(items: list[dict[str, Any]], backends_ref: Any, options: RayOptions) -> Any:
@@ -233,9 +234,9 @@ class Replica:
         self.load_s = time.monotonic() - start  # reported with this actor's first batch
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[Any]]:
-        requests = [BatchRequest(int(line), str(cid), str(url), json.loads(body))
-                    for cid, line, url, body in zip(batch["custom_id"], batch["line"], batch["url"], batch["body"],
-                                                    strict=True)]
+        requests = [BatchRequest(int(line), str(cid), str(url), json.loads(body), metadata=json.loads(metadata))
+                    for cid, line, url, body, metadata in zip(batch["custom_id"], batch["line"], batch["url"],
+                                                              batch["body"], batch["metadata"], strict=True)]
         if not requests:
             return {"custom_id": [], "row": [], "stats": []}
         backend = self.backends[zlib.crc32(requests[0].custom_id.encode()) % len(self.backends)]

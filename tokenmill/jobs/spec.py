@@ -1,10 +1,12 @@
 """Reading a job's input: every line checked before any work, each good line a `BatchRequest`.
 
-Three input forms, all turned into OpenAI batch requests (`custom_id`, `url`, `body`):
+Four input forms, all turned into OpenAI batch requests (`custom_id`, `url`, `body`):
 
 - the OpenAI Batch API format: `{"custom_id", "method": "POST", "url", "body"}` a line;
 - simple JSONL: `{"id"?, "prompt"}` or `{"id"?, "messages"}` a line;
-- plain text: one document a line.
+- plain text: one document a line;
+- CSV (or TSV) with a header: a prompt column, an optional id column, the other columns kept
+  as the row's metadata. A quoted field may span lines; a record's "line" is where it starts.
 
 `DocumentOptions` say how a document (a text line or a `prompt`) becomes a request, and fill
 `max_tokens` / `temperature` / `model` / a structured output into every body that lacks them.
@@ -16,13 +18,16 @@ pass re-reads each line when it is about to run.
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+from tokenmill.engine import DEFAULT_MAX_TOKENS
 from tokenmill.openai_compat import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -33,8 +38,11 @@ from tokenmill.openai_compat import (
     structured_outputs_fields,
 )
 
-FORMATS = ("auto", "batch", "jsonl", "text")
-TEXT_SUFFIXES = (".txt", ".text", ".md", ".csv", ".tsv")
+FORMATS = ("auto", "batch", "jsonl", "text", "csv")
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+CSV_DELIMITERS = {".csv": ",", ".tsv": "\t"}  # by suffix; any other file read as CSV is comma-separated
+PROMPT_COLUMNS = ("prompt", "text")  # a CSV's prompt column when --prompt-column names none
+ID_COLUMNS = ("custom_id", "id")  # … and its id column, if it has one
 
 
 class LineError(ValueError):
@@ -47,9 +55,11 @@ class DocumentOptions:
 
     system: str | None = None  # a system message for documents (and messages without one)
     template: str | None = None  # the user message, with "{text}" where the document goes
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # None: DEFAULT_MAX_TOKENS, for every backend alike
     temperature: float | None = None
     model: str | None = None  # sets body["model"] (what an endpoint serves the request with)
+    prompt_column: str | None = None  # CSV: the prompt's column (default: the first of PROMPT_COLUMNS)
+    id_column: str | None = None  # CSV: the custom_id's column (default: the first of ID_COLUMNS, else line-N)
     completions: bool = False  # documents as /v1/completions prompts instead of chat
     # The body field(s) asking for a structured output (openai_compat.structured_outputs_body), for
     # every body that asks for none of its own.
@@ -65,13 +75,20 @@ class DocumentOptions:
 
     def fingerprint(self) -> dict[str, Any]:
         """The options that change what a request asks for (hence its result)."""
-        settings = {
+        settings: dict[str, Any] = {
             "system": self.system, "template": self.template, "max_tokens": self.max_tokens,
             "temperature": self.temperature, "body_model": self.model, "completions": self.completions,
         }
-        if self.structured_outputs is not None:  # only when set: jobs from before the option still resume
-            settings["structured_outputs"] = self.structured_outputs
+        # Only when set: jobs from before these options still resume.
+        later: dict[str, Any] = {"structured_outputs": self.structured_outputs, "prompt_column": self.prompt_column,
+                 "id_column": self.id_column}
+        settings.update({name: value for name, value in later.items() if value is not None})
         return settings
+
+    @property
+    def default_max_tokens(self) -> int:
+        """What a body without max_tokens gets."""
+        return self.max_tokens or DEFAULT_MAX_TOKENS
 
 
 @dataclass(frozen=True)
@@ -80,6 +97,8 @@ class BatchRequest:
     custom_id: str
     url: str  # CHAT_URL or COMPLETIONS_URL
     body: dict[str, Any]
+    max_tokens_defaulted: bool = False  # the line gave no max_tokens: DocumentOptions.default_max_tokens
+    metadata: dict[str, str] | None = None  # a CSV row's other columns, written back with its result
 
     @property
     def max_tokens(self) -> int:
@@ -111,16 +130,18 @@ class Entry:
     custom_id: str
     cost: int  # rough size in tokens (prompt bytes / 4 + max_tokens), for length buckets
     structured: bool = False  # BatchRequest.structured
+    max_tokens_defaulted: bool = False  # BatchRequest.max_tokens_defaulted
 
 
 @dataclass
 class InputFile:
     path: Path
-    format: str  # "batch" | "jsonl" | "text"
+    format: str  # "batch" | "jsonl" | "text" | "csv"
     sha256: str
     options: DocumentOptions
     entries: list[Entry] = field(default_factory=list)
     errors: list[InputError] = field(default_factory=list)
+    csv_layout: CsvLayout | None = None  # a CSV's header, read by the validation pass
 
     @property
     def num_lines(self) -> int:
@@ -132,7 +153,21 @@ class InputFile:
         with self.path.open("rb") as f:
             for entry in entries:
                 f.seek(entry.offset)
-                yield parse_line(f.readline(), entry.line, self.format, self.options)
+                if self.csv_layout is not None:
+                    yield self.csv_layout.request(self.csv_layout.read_record(f), entry.line, self.options)
+                else:
+                    yield parse_line(f.readline(), entry.line, self.format, self.options)
+
+
+@dataclass(frozen=True)
+class _Record:
+    """One request's worth of input, not yet parsed: a line, or a CSV record."""
+
+    line: int
+    offset: int
+    size: int  # bytes
+    parse: Callable[[dict[str, int]], BatchRequest]  # raises LineError
+    readable_id: str | None  # for the error row when it does not parse
 
 
 def read_input(
@@ -150,34 +185,165 @@ def read_input(
     result = InputFile(path, fmt, "", options)
     digest = hashlib.sha256()
     first_seen: dict[str, int] = {}
-    offset = 0
     with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
-            digest.update(raw)
-            line_offset, offset = offset, offset + len(raw)
-            if not raw.strip():
-                continue  # blank lines are not requests
+        lines = _TextLines(f, digest)
+        records = _csv_records(lines, result) if fmt == "csv" else _line_records(lines, result)
+        for record in records:
             try:
-                request = parse_line(raw, number, fmt, options, first_seen)
+                request = record.parse(first_seen)
             except LineError as exc:
-                result.errors.append(InputError(number, _readable_id(raw, fmt), str(exc)))
+                result.errors.append(InputError(record.line, record.readable_id, str(exc)))
                 continue
             try:
                 if check is not None:
                     check(request)  # the backend's own rules
             except ValueError as exc:
-                result.errors.append(InputError(number, request.custom_id, str(exc)))
+                result.errors.append(InputError(record.line, request.custom_id, str(exc)))
                 continue
-            cost = len(raw) // 4 + request.max_tokens
-            result.entries.append(Entry(number, line_offset, request.custom_id, cost, request.structured))
+            cost = record.size // 4 + request.max_tokens
+            result.entries.append(Entry(record.line, record.offset, request.custom_id, cost, request.structured,
+                                        request.max_tokens_defaulted))
+        for _ in lines:  # the digest covers the whole file, blank lines after the last record too
+            pass
     result.sha256 = digest.hexdigest()
     return result
 
 
+class _TextLines:
+    """A binary file's lines from where it stands, as text, counting lines and bytes (and hashing
+    them): `csv.reader` pulls a record's lines through it. Bytes that are not UTF-8 come through
+    as surrogates, so the record they are in can be refused on its own."""
+
+    def __init__(self, f: IO[bytes], digest: Any = None) -> None:
+        self._f, self._digest = f, digest
+        self.offset = f.tell()  # where the next line starts
+        self.count = 0  # lines read
+
+    def __iter__(self) -> _TextLines:
+        return self
+
+    def __next__(self) -> str:
+        raw = self._f.readline()
+        if not raw:
+            raise StopIteration
+        if self._digest is not None:
+            self._digest.update(raw)
+        self.offset += len(raw)
+        self.count += 1
+        return raw.decode("utf-8", errors="surrogateescape")
+
+
+def _line_records(lines: _TextLines, spec: InputFile) -> Iterator[_Record]:
+    for text in lines:
+        number, raw = lines.count, text.encode("utf-8", errors="surrogateescape")
+        if raw.strip():  # blank lines are not requests
+            yield _Record(number, lines.offset - len(raw), len(raw),
+                          partial(parse_line, raw, number, spec.format, spec.options), _readable_id(raw, spec.format))
+
+
+def _csv_records(lines: _TextLines, spec: InputFile) -> Iterator[_Record]:
+    """The header (into `spec.csv_layout`; ValueError for the whole file if it names no prompt
+    column), then a `_Record` per non-blank record."""
+    reader = csv.reader(lines, delimiter=CSV_DELIMITERS.get(spec.path.suffix.lower(), ","))
+    while True:
+        start, first_line = lines.offset, lines.count + 1
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            yield _Record(first_line, start, 0, _refuse(f"not CSV ({exc})"), None)
+            continue
+        if not any(value.strip() for value in fields):
+            continue
+        if spec.csv_layout is None:
+            spec.csv_layout = CsvLayout.from_header(fields, reader.dialect.delimiter, spec.options)
+            continue
+        yield _Record(first_line, start, lines.offset - start,
+                      partial(spec.csv_layout.request, fields, first_line, spec.options),
+                      spec.csv_layout.readable_id(fields))
+
+
+def _refuse(reason: str) -> Callable[[dict[str, int]], BatchRequest]:
+    def parse(seen: dict[str, int]) -> BatchRequest:
+        raise LineError(reason)
+    return parse
+
+
+@dataclass(frozen=True)
+class CsvLayout:
+    """A CSV input's header: which column holds the prompt, which the id (if any); the other
+    columns are each row's metadata."""
+
+    columns: tuple[str, ...]
+    delimiter: str
+    prompt: int  # index into columns
+    id: int | None
+
+    @classmethod
+    def from_header(cls, header: list[str], delimiter: str, options: DocumentOptions) -> CsvLayout:
+        columns = tuple(name.lstrip("\ufeff").strip() for name in header)
+        doubled = sorted({name for name in columns if columns.count(name) > 1})
+        if doubled:
+            raise ValueError(f"the CSV header names a column twice: {', '.join(doubled)}")
+        prompt = cls._column(columns, options.prompt_column, PROMPT_COLUMNS, "--prompt-column")
+        if prompt is None:
+            raise ValueError(f"the CSV has no {' or '.join(map(repr, PROMPT_COLUMNS))} column for the prompt; "
+                             f"name one with --prompt-column (columns: {', '.join(columns)})")
+        return cls(columns, delimiter, prompt, cls._column(columns, options.id_column, ID_COLUMNS, "--id-column"))
+
+    @staticmethod
+    def _column(columns: tuple[str, ...], named: str | None, defaults: tuple[str, ...], flag: str) -> int | None:
+        if named is not None:
+            if named not in columns:
+                raise ValueError(f"{flag} {named!r}: the CSV has no such column (columns: {', '.join(columns)})")
+            return columns.index(named)
+        return next((columns.index(name) for name in defaults if name in columns), None)
+
+    def read_record(self, f: IO[bytes]) -> list[str]:
+        """The record that starts where `f` stands (a quoted field may run over several lines)."""
+        return next(csv.reader(_TextLines(f), delimiter=self.delimiter))
+
+    def prompt_of(self, fields: list[str]) -> str:
+        return fields[self.prompt].strip()
+
+    def readable_id(self, fields: list[str]) -> str | None:
+        if self.id is None or self.id >= len(fields) or not fields[self.id].strip():
+            return None
+        return fields[self.id].strip() if _is_utf8(fields[self.id]) else None
+
+    def request(
+        self, fields: list[str], number: int, options: DocumentOptions, first_seen: dict[str, int] | None = None
+    ) -> BatchRequest:
+        if len(fields) != len(self.columns):
+            raise LineError(f"{len(fields)} field(s), the header has {len(self.columns)}")
+        bad = [name for name, value in zip(self.columns, fields, strict=True) if not _is_utf8(value)]
+        if bad:
+            raise LineError(f"not UTF-8 (in column {bad[0]!r})")
+        custom_id = f"line-{number}" if self.id is None else fields[self.id].strip()
+        if not custom_id:
+            raise LineError(f"empty id in column {self.columns[self.id or 0]!r}")
+        _check_unique(custom_id, number, first_seen)
+        request = _document_request(number, custom_id, self.prompt_of(fields), options)
+        metadata = {name: value for i, (name, value) in enumerate(zip(self.columns, fields, strict=True))
+                    if i not in (self.prompt, self.id)}
+        return replace(request, metadata=metadata)
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def detect_format(path: Path) -> str:
-    """Text by suffix; otherwise JSONL if the first line is an object, batch if it has batch keys."""
+    """Text or CSV by suffix; otherwise JSONL if the first line is an object, batch if it has batch keys."""
     if path.suffix.lower() in TEXT_SUFFIXES:
         return "text"
+    if path.suffix.lower() in CSV_DELIMITERS:
+        return "csv"
     with path.open("rb") as f:
         for raw in f:
             text = raw.decode("utf-8", errors="replace").lstrip("\ufeff").strip()
@@ -203,6 +369,8 @@ def parse_line(
     first_seen: dict[str, int] | None = None,
 ) -> BatchRequest:
     """One input line → a request; raises LineError. `first_seen` collects ids for duplicates."""
+    if fmt == "csv":
+        raise ValueError("a CSV record is parsed by its CsvLayout, not as a line")
     if fmt == "text":
         custom_id = f"line-{number}"
         _check_unique(custom_id, number, first_seen)
@@ -258,9 +426,7 @@ def _batch_request(
     body = _require(obj, "body")
     if not isinstance(body, dict):
         raise LineError(f'"body" must be a JSON object, got {_json_type(body)}')
-    body = _fill_defaults(dict(body), options)
-    _check_body(url, body)
-    return BatchRequest(number, custom_id, url, body)
+    return _request(number, custom_id, url, dict(body), options)
 
 
 def _simple_request(
@@ -283,10 +449,8 @@ def _simple_request(
     if options.completions:
         raise LineError('"messages" need the chat API; drop --completions')
     messages = list(obj["messages"]) if isinstance(obj["messages"], list) else obj["messages"]
-    body = {"messages": _with_system(messages, options.system)}
-    body = _fill_defaults(body, options)
-    _check_body(CHAT_URL, body, prefix="")
-    return BatchRequest(number, custom_id, CHAT_URL, body)
+    return _request(number, custom_id, CHAT_URL, {"messages": _with_system(messages, options.system)}, options,
+                    prefix="")
 
 
 def _document_request(number: int, custom_id: str, text: str, options: DocumentOptions) -> BatchRequest:
@@ -295,9 +459,19 @@ def _document_request(number: int, custom_id: str, text: str, options: DocumentO
     content = options.template.replace("{text}", text) if options.template else text
     if options.completions:
         prompt = f"{options.system}\n\n{content}" if options.system else content
-        return BatchRequest(number, custom_id, COMPLETIONS_URL, _fill_defaults({"prompt": prompt}, options))
+        return _request(number, custom_id, COMPLETIONS_URL, {"prompt": prompt}, options)
     messages = _with_system([{"role": "user", "content": content}], options.system)
-    return BatchRequest(number, custom_id, CHAT_URL, _fill_defaults({"messages": messages}, options))
+    return _request(number, custom_id, CHAT_URL, {"messages": messages}, options)
+
+
+def _request(
+    number: int, custom_id: str, url: str, body: dict[str, Any], options: DocumentOptions, prefix: str = "body."
+) -> BatchRequest:
+    """The request, its body's gaps filled from `options` and checked (LineError naming the field)."""
+    defaulted = "max_tokens" not in body and "max_completion_tokens" not in body
+    body = _fill_defaults(body, options)
+    _check_body(url, body, prefix)
+    return BatchRequest(number, custom_id, url, body, max_tokens_defaulted=defaulted)
 
 
 def _with_system(messages: Any, system: str | None) -> Any:
@@ -311,8 +485,8 @@ def _with_system(messages: Any, system: str | None) -> Any:
 def _fill_defaults(body: dict[str, Any], options: DocumentOptions) -> dict[str, Any]:
     if options.model is not None:
         body["model"] = options.model
-    if options.max_tokens is not None and "max_tokens" not in body and "max_completion_tokens" not in body:
-        body["max_tokens"] = options.max_tokens
+    if "max_tokens" not in body and "max_completion_tokens" not in body:
+        body["max_tokens"] = options.default_max_tokens  # spelled out: an endpoint's own default may be the context
     if options.temperature is not None and "temperature" not in body:
         body["temperature"] = options.temperature
     if options.structured_outputs is not None and not structured_outputs_fields(body):

@@ -68,6 +68,9 @@ def build_summary(
         "structured": len(structured),
         "structured_cut": sum(1 for custom_id in structured if custom_id in state.ended_by_length)
         + sink.structured_cut,
+        # Rows that gave no max_tokens, and the cap they got instead (--max-tokens, or the default).
+        "max_tokens_defaulted": sum(1 for e in spec.entries if e.max_tokens_defaulted),
+        "default_max_tokens": config.options.default_max_tokens,
     }
     tokens = {"prompt": sink.prompt_tokens, "cached": sink.cached_tokens, "completion": sink.completion_tokens}
     engine = {
@@ -129,6 +132,9 @@ def print_summary(summary: Summary, console: Console) -> None:
     this_run = f" (this run: {req['done_this_run']} done, {req['failed_this_run']} failed)"
     table.add_row("requests", f"{req['done']} done · {req['failed']} failed · {req['not_done']} not done "
                   f"of {req['total']}" + (this_run if req["done_this_run"] != req["done"] else ""))
+    if req["max_tokens_defaulted"]:
+        table.add_row("max_tokens", f"{req['max_tokens_defaulted']:,} row(s) had no max_tokens: capped at "
+                      f"{req['default_max_tokens']} (--max-tokens)")
     if req["structured"]:
         table.add_row("structured", f"{req['structured']} request(s) · {req['structured_cut']} cut by max_tokens "
                       '(finish_reason "length": incomplete)')

@@ -12,6 +12,8 @@ from .dtypes import KV_DTYPES, WEIGHT_DTYPES
 from .errors import PlanError
 from .measured import Measured, efficiencies, load_measured
 from .model_specs import load_model
+from .price import FLAG_HELP as PRICE_HELP
+from .price import price_per_hour_arg
 from .report import (
     hardware_table,
     models_table,
@@ -26,6 +28,7 @@ from .roofline import PlanConfig, make_plan
 from .study import IMPLIED_HARDWARE, check_study, load_study
 
 DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN = 2048, 512
+EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 1, 2
 
 
 def _batch_sizes(text: str) -> tuple[int, ...]:
@@ -56,8 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"generated tokens per request (default {DEFAULT_OUTPUT_LEN})")
     add("--batch-sizes", type=_batch_sizes, default=(1, 8, 32, 64),
         help="comma-separated concurrent requests (default 1,8,32,64)")
-    add("--price-per-hour", type=float, help="$ per device-hour (default: catalog; 0 for "
-        f"{THIS_MACHINE})")
+    add("--price-per-hour", type=price_per_hour_arg, help=f"per device (default: the --hardware's catalog price; "
+        f"0 for {THIS_MACHINE}): {PRICE_HELP}")
     add("--reserve-fraction", type=float, default=0.10,
         help="memory kept free for activations and runtime (default 0.10)")
     add("--measured", metavar="FILE", help="bench JSON: report measured / ceiling")
@@ -83,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_study(args, console) if args.study else _run_plan(args, console)
     except PlanError as exc:
         print(f"tokenmill plan: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
 
 
 def _run_study(args: argparse.Namespace, console: Console) -> int:
@@ -131,4 +134,5 @@ def _run_plan(args: argparse.Namespace, console: Console) -> int:
         from .plot import save_plot
 
         save_plot(plan, args.plot, measured)
-    return 0
+    # the report is complete either way; 1 lets a script tell "does not fit" from bad input (2)
+    return 0 if plan.fits else EXIT_DOES_NOT_FIT

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .errors import PlanError
 
 # int4 is modelled as group-wise quantisation (AWQ/GPTQ style): 4 bits per weight plus one fp16
@@ -20,6 +22,13 @@ WEIGHT_DTYPES = ("bf16", "fp16", "fp32", "fp8", "int8", "int4", "native")
 KV_DTYPES = ("bf16", "fp16", "fp32", "fp8", "int8")
 # "native" = as stored in the model file (a GGUF's real tensor bytes); see ModelSpec.
 
+# Quantised checkpoints (AWQ, GPTQ, fp8 and int8 W8A8 alike) quantise the linear layers of the
+# transformer blocks only: the token embedding and the lm_head stay in the 16-bit dtype the model
+# was trained in, and engines load them that way (vLLM quantises linear layers, never the
+# embedding or, unless asked, the lm_head).
+QUANTISED_DTYPES = ("fp8", "int8", "int4")
+TABLE_BYTES_WHEN_QUANTISED = 2.0  # bf16/fp16
+
 
 def dtype_bytes(dtype: str, field: str = "dtype") -> float:
     """Bytes per element of ``dtype``; raises PlanError naming ``field`` if unknown."""
@@ -27,6 +36,24 @@ def dtype_bytes(dtype: str, field: str = "dtype") -> float:
         return _BYTES[dtype]
     except KeyError:
         raise PlanError(field, f"unknown dtype {dtype!r} (known: {', '.join(_BYTES)})") from None
+
+
+@dataclass(frozen=True)
+class WeightWidths:
+    """Stored bytes per parameter by role: quantised checkpoints and GGUF files keep the token
+    embedding and the lm_head at another width than the transformer blocks."""
+
+    embedding: float  # the input token table (also the output projection when tied)
+    lm_head: float  # an untied output projection
+    blocks: float  # everything else: attention, MLPs, experts, routers, norms
+
+
+def weight_widths(dtype: str) -> WeightWidths:
+    """Widths for a uniform ``--weight-dtype``: the embedding and lm_head of a quantised
+    checkpoint in 16 bits, everything else at the dtype's width."""
+    blocks = dtype_bytes(dtype, "weight_dtype")
+    table = TABLE_BYTES_WHEN_QUANTISED if dtype in QUANTISED_DTYPES else blocks
+    return WeightWidths(embedding=table, lm_head=table, blocks=blocks)
 
 
 def compute_class(weight_dtype: str) -> str:

@@ -10,7 +10,7 @@ class HardwareSpec:
     """One accelerator (or this machine). All rates are per device."""
 
     name: str
-    memory_bytes: float
+    memory_bytes: float  # as the device reports it (nvidia-smi's total), not as marketed
     bandwidth_bytes_per_s: float
     bf16_flops: float  # dense tensor-core FLOP/s (a CPU: its measured fp32 GEMM rate)
     fp8_flops: float | None  # None: no fp8 units, fp8 weights run in bf16

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.environment import embedded_model_path
-from tokenmill.gguf_header import GGUFHeader, read_gguf_header
+from tokenmill.gguf_header import GGUFHeader, TensorInfo, read_gguf_header
 
+from .dtypes import WeightWidths
 from .errors import PlanError
 
 
@@ -58,7 +59,7 @@ class ModelSpec:
     moe: MoESpec | None = None
     mla: MLASpec | None = None
     default_weight_dtype: str = "bf16"  # the dtype the checkpoint ships in
-    native_bytes_per_param: float | None = None  # real stored bytes / params (GGUF files)
+    native_widths: WeightWidths | None = None  # stored bytes/param by role (GGUF files)
     max_context: int | None = None
     source: str = ""
 
@@ -81,8 +82,19 @@ class ParamCounts:
 
     @property
     def total(self) -> int:
-        return (self.embedding + self.lm_head + self.attention + self.dense_mlp
-                + self.shared_experts + self.routed_experts + self.router + self.norms)
+        return self.embedding + self.lm_head + self.blocks
+
+    @property
+    def blocks(self) -> int:
+        """The transformer blocks (and final norm): what quantisation applies to."""
+        return (self.attention + self.dense_mlp + self.shared_experts + self.routed_experts
+                + self.router + self.norms)
+
+    @property
+    def output_projection(self) -> int:
+        """The matrix that turns hidden states into logits: the lm_head, or the embedding table
+        when the two are tied."""
+        return self.lm_head if self.lm_head else self.embedding
 
     @property
     def active(self) -> int:
@@ -94,8 +106,7 @@ class ParamCounts:
     def matmul_active(self) -> int:
         """Parameters one token multiplies by (FLOPs = 2 x this): no embedding lookup or norms,
         but always an output projection (the tied embedding when there is no lm_head)."""
-        output_proj = self.lm_head if self.lm_head else self.embedding
-        return self.active - self.embedding - self.lm_head - self.norms + output_proj
+        return self.active - self.embedding - self.lm_head - self.norms + self.output_projection
 
 
 def _attention_params(m: ModelSpec) -> int:
@@ -269,10 +280,28 @@ def _read_gguf_header(path: Path) -> GGUFHeader:
         raise PlanError("model", str(exc)) from None
 
 
+def _native_widths(header: GGUFHeader) -> WeightWidths:
+    """Stored bytes per parameter of the token table, the output matrix and the rest, from the
+    tensor types the file states (quantised blocks with their scales). llama.cpp's quantisers
+    keep these two at a wider type than the blocks (e.g. Q6_K or Q8_0 beside Q4_K)."""
+    def width(tensors: list[TensorInfo]) -> float | None:
+        elements = sum(t.n_elements for t in tensors)
+        return sum(t.n_bytes for t in tensors) / elements if elements else None
+
+    tables = {"token_embd.weight", "output.weight"}
+    blocks = width([t for name, t in header.tensors.items() if name not in tables]) or 0.0
+    embd = header.tensors.get("token_embd.weight")
+    out = header.tensors.get("output.weight")
+    embedding = width([embd]) if embd else None
+    lm_head = width([out]) if out else None
+    return WeightWidths(embedding=embedding or blocks, lm_head=lm_head or embedding or blocks,
+                        blocks=blocks)
+
+
 def spec_from_gguf(path: Path) -> ModelSpec:
     """Build a ModelSpec from a GGUF file's metadata; layer structure is checked on the tensors.
 
-    The real stored bytes (quantised blocks with their scales) give ``native_bytes_per_param``.
+    The real stored bytes of each tensor give ``native_widths``.
     """
     header = _read_gguf_header(path)
     meta, names = header.metadata, set(header.tensors)
@@ -299,7 +328,6 @@ def spec_from_gguf(path: Path) -> ModelSpec:
                       kv_lora_rank=get("attention.kv_lora_rank"),
                       qk_nope_head_dim=get("attention.key_length") - rope,
                       qk_rope_head_dim=rope, v_head_dim=get("attention.value_length"))
-    n_params = sum(t.n_elements for t in header.tensors.values())
     return ModelSpec(
         name=str(meta.get("general.name") or path.stem), num_layers=layers, hidden_size=hidden,
         num_heads=heads, num_kv_heads=get("attention.head_count_kv", heads),
@@ -308,7 +336,7 @@ def spec_from_gguf(path: Path) -> ModelSpec:
         tie_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names, moe=moe, mla=mla,
         default_weight_dtype="native",
-        native_bytes_per_param=sum(t.n_bytes for t in header.tensors.values()) / n_params,
+        native_widths=_native_widths(header),
         max_context=get("context_length", 0) or None, source=str(path),
     )
 

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .catalog import CATALOG
+from .dtypes import QUANTISED_DTYPES
 from .hardware import HardwareSpec
 from .measured import Efficiency
 from .model_specs import PRESET_CONFIGS, ModelSpec, kv_elements_per_token, param_counts, preset
@@ -45,11 +46,33 @@ def describe_model(m: ModelSpec) -> str:
     return f"{m.name}: {c.total / 1e9:.2f}B params ({c.active / 1e9:.2f}B active); {arch}"
 
 
+def memory_size(nbytes: float) -> str:
+    """Decimal GB, and the binary GiB that nvidia-smi and torch count in: '85.9 GB (80.0 GiB)'."""
+    return f"{si(nbytes, 'B')} ({nbytes / 2**30:.1f} GiB)"
+
+
 def describe_hardware(hw: HardwareSpec, devices: int = 1) -> str:
     fp8 = f", {si(hw.fp8_flops, 'FLOP/s')} fp8" if hw.fp8_flops else ""
-    return (f"{devices} x {hw.name}: {si(hw.memory_bytes, 'B')}, "
+    return (f"{devices} x {hw.name}: {memory_size(hw.memory_bytes)}, "
             f"{si(hw.bandwidth_bytes_per_s, 'B/s')}, "
             f"{si(hw.bf16_flops, 'FLOP/s')} {'measured' if hw.measured else 'bf16'}{fp8} each")
+
+
+def does_not_fit(plan: Plan) -> str:
+    """Why nothing fits, and the smallest tensor-parallel group of this hardware that would."""
+    c, mem, hw = plan.config, plan.memory, plan.hardware
+    tp = c.tp or 1
+    usable = mem.usable_kv_bytes_per_replica + mem.weight_bytes
+    why = (f"weights {si(mem.weight_bytes, 'B')} + one request's KV "
+           f"{si(mem.kv_bytes_per_request, 'B')} exceed the {si(usable, 'B')} usable on "
+           f"{tp} x {hw.name} ({1 - c.reserve_fraction:.0%} of {si(hw.memory_bytes, 'B')} each)")
+    if plan.devices_needed is None:
+        return (f"{why}; no tensor-parallel group of up to {plan.model.num_heads} x {hw.name} "
+                "holds it at this dtype")
+    flag = (f"--num-devices {plan.devices_needed}" if c.num_devices == tp
+            else f"--tp {plan.devices_needed} and --num-devices a multiple of it")
+    return (f"{why}; needs at least {plan.devices_needed} x {hw.name} in one tensor-parallel "
+            f"group ({flag})")
 
 
 def plan_summary(plan: Plan) -> list[str]:
@@ -62,18 +85,20 @@ def plan_summary(plan: Plan) -> list[str]:
     kv_from = f"KV reads exceed weight reads from B={plan.kv_dominates_from}" \
         if plan.kv_dominates_from else "weight reads dominate at every batch"
     copies = mem.kv_bytes_per_token_stored / mem.kv_bytes_per_token
+    tables = " (embedding and lm_head 16-bit)" if c.weight_dtype in QUANTISED_DTYPES else ""
     return [
         f"[bold]Model[/]     {describe_model(plan.model)}",
         f"[bold]Hardware[/]  {describe_hardware(hw, c.num_devices)}; TP {c.tp}, "
         f"{replicas} replica(s); {price}",
         f"[bold]Workload[/]  {c.input_len} input + {c.output_len} output tokens/request; "
-        f"weights {c.weight_dtype}, KV {c.kv_dtype}; reserve {c.reserve_fraction:.0%} of memory",
+        f"weights {c.weight_dtype}{tables}, KV {c.kv_dtype}; reserve {c.reserve_fraction:.0%} of memory",
         f"[bold]Memory[/]    weights {si(mem.weight_bytes, 'B')} "
         f"({si(mem.weight_bytes_per_device, 'B')}/device); KV {mem.kv_bytes_per_token:,.0f} "
         f"B/token{f' x{copies:.0f} (TP copies)' if copies > 1 else ''}, "
         f"{si(mem.kv_bytes_per_request, 'B')}/request; [bold]largest batch {mem.max_batch}[/]",
         f"[bold]Decode[/]    {knee}; {kv_from}",
         *[f"[yellow]note[/]      {n}" for n in plan.notes],
+        *([] if plan.fits else [f"[bold red]Does not fit[/]: {does_not_fit(plan)}"]),
     ]
 
 
@@ -113,6 +138,8 @@ def print_plan(plan: Plan, eff: list[Efficiency] | None = None,
     console = console or Console()
     for line in plan_summary(plan):
         console.print(line, highlight=False)
+    if not plan.fits:  # ceilings and $/M of a deployment that cannot run would mislead
+        return
     console.print(plan_table(plan, eff))
     above = [e.batch_size for e in eff or [] if e.above_ceiling]
     if above:
@@ -134,11 +161,12 @@ def models_table() -> Table:
 
 
 def hardware_table() -> Table:
-    table = Table(title="Hardware catalog (per device, dense; prices are defaults)")
+    table = Table(title="Hardware catalog (per device, dense; memory as the device reports it; "
+                  "prices are defaults)")
     for col in ("name", "memory", "bandwidth", "bf16", "fp8", "int8", "$/h", "source"):
         table.add_column(col)
     for key, hw in CATALOG.items():
-        table.add_row(key, si(hw.memory_bytes, "B"), si(hw.bandwidth_bytes_per_s, "B/s"),
+        table.add_row(key, memory_size(hw.memory_bytes), si(hw.bandwidth_bytes_per_s, "B/s"),
                       si(hw.bf16_flops, "FLOP/s"),
                       si(hw.fp8_flops, "FLOP/s") if hw.fp8_flops else "-",
                       si(hw.int8_ops, "OP/s") if hw.int8_ops else "-",

@@ -13,7 +13,14 @@ from dataclasses import dataclass, replace
 
 from tokenmill.cost import usd_per_million
 
-from .dtypes import KV_DTYPES, WEIGHT_DTYPES, compute_class, dtype_bytes
+from .dtypes import (
+    KV_DTYPES,
+    WEIGHT_DTYPES,
+    WeightWidths,
+    compute_class,
+    dtype_bytes,
+    weight_widths,
+)
 from .errors import PlanError
 from .hardware import HardwareSpec
 from .model_specs import (
@@ -54,7 +61,7 @@ class Setup:
     hardware: HardwareSpec
     config: PlanConfig  # fully resolved: no None fields except as documented
     counts: ParamCounts
-    weight_bytes_per_param: float
+    widths: WeightWidths  # stored bytes per parameter by role
     kv_replication: int  # copies of each token's KV across a TP group
     replicas: int
     bandwidth: float  # bytes/s per replica
@@ -72,7 +79,15 @@ class Setup:
 
     @property
     def weight_bytes(self) -> float:
-        return self.counts.total * self.weight_bytes_per_param
+        """One full copy of the weights as stored."""
+        c, w = self.counts, self.widths
+        return c.embedding * w.embedding + c.lm_head * w.lm_head + c.blocks * w.blocks
+
+    @property
+    def output_projection_bytes(self) -> float:
+        """The matrix read to produce logits: the lm_head, or the tied embedding table."""
+        c, w = self.counts, self.widths
+        return c.lm_head * w.lm_head if c.lm_head else c.embedding * w.embedding
 
 
 def _check_positive(field: str, value: float, minimum: float = 1) -> None:
@@ -94,15 +109,15 @@ def kv_replication(model: ModelSpec, tp: int) -> int:
                     "neither divides the other")
 
 
-def _weight_bytes_per_param(model: ModelSpec, dtype: str) -> float:
+def _weight_widths(model: ModelSpec, dtype: str) -> WeightWidths:
     if dtype not in WEIGHT_DTYPES:
         raise PlanError("weight_dtype", f"unknown {dtype!r} (known: {', '.join(WEIGHT_DTYPES)})")
     if dtype != "native":
-        return dtype_bytes(dtype, "weight_dtype")
-    if model.native_bytes_per_param is None:
+        return weight_widths(dtype)
+    if model.native_widths is None:
         raise PlanError("weight_dtype", "'native' needs a model file with stored tensor sizes "
                         "(a GGUF); choose bf16, fp8, int8 or int4")
-    return model.native_bytes_per_param
+    return model.native_widths
 
 
 def make_setup(model: ModelSpec, hardware: HardwareSpec, config: PlanConfig) -> Setup:
@@ -129,10 +144,10 @@ def make_setup(model: ModelSpec, hardware: HardwareSpec, config: PlanConfig) -> 
     price = hardware.price_per_hour if c.price_per_hour is None else c.price_per_hour
     _check_positive("price_per_hour", price, 0)
     wdtype = c.weight_dtype or model.default_weight_dtype
-    bpp = _weight_bytes_per_param(model, wdtype)
+    widths = _weight_widths(model, wdtype)
     resolved = replace(c, tp=tp, weight_dtype=wdtype, price_per_hour=price,
                        batch_sizes=tuple(sorted(set(c.batch_sizes))))
-    return Setup(model, hardware, resolved, param_counts(model), bpp, kv_replication(model, tp),
+    return Setup(model, hardware, resolved, param_counts(model), widths, kv_replication(model, tp),
                  replicas=c.num_devices // tp, bandwidth=hardware.bandwidth_bytes_per_s * tp,
                  peak_flops=hardware.peak_flops(compute_class(wdtype)) * tp)
 
@@ -180,15 +195,24 @@ def expected_experts_touched(num_experts: int, top_k: int, tokens: float) -> flo
 def weight_bytes_read(s: Setup, tokens: float) -> float:
     """Weight bytes one forward pass over ``tokens`` tokens must read.
 
-    All weights except the untied input embedding table (a lookup reads only ``tokens`` rows,
-    negligible) and the routed experts nobody routed to.
+    The blocks except the routed experts nobody routed to, and the output projection; not the
+    untied input embedding table (a lookup reads only ``tokens`` rows, negligible).
     """
     c = s.counts
-    params: float = c.total - c.routed_experts - (c.embedding if c.lm_head else 0)
+    blocks: float = c.blocks - c.routed_experts
     if c.num_moe_layers and s.model.moe is not None:
         touched = expected_experts_touched(s.model.moe.num_experts, c.top_k, tokens)
-        params += c.num_moe_layers * touched * c.expert_params
-    return params * s.weight_bytes_per_param
+        blocks += c.num_moe_layers * touched * c.expert_params
+    return blocks * s.widths.blocks + s.output_projection_bytes
+
+
+def matmul_flops(c: ParamCounts, tokens: float, logit_rows: float) -> float:
+    """Matmul FLOPs (2 per multiply-add) of a forward pass: every token goes through the
+    blocks, only the ``logit_rows`` that are sampled from go through the output projection.
+    Decode samples every token; prefill only the last of each prompt (engines compute logits
+    for those rows alone)."""
+    blocks = c.matmul_active - c.output_projection
+    return 2 * (blocks * tokens + c.output_projection * logit_rows)
 
 
 @dataclass(frozen=True)
@@ -218,18 +242,19 @@ def decode_step(s: Setup, batch: int) -> StepBound:
     ctx = average_decode_context(s)
     kv = batch * ctx * s.kv_bytes_per_token_stored
     attn = attention_flops_per_context_token(s.model, "decode") * ctx
-    return _bound(s, weight_bytes_read(s, batch) + kv, batch * (2 * s.counts.matmul_active + attn),
-                  kv)
+    flops = matmul_flops(s.counts, batch, batch) + batch * attn
+    return _bound(s, weight_bytes_read(s, batch) + kv, flops, kv)
 
 
 def prefill(s: Setup, batch: int) -> StepBound:
     """Prefill of ``batch`` prompts of input_len tokens on one replica: causal attention gives
-    n(n+1)/2 query-key pairs; weights are read at least once and the new KV written once."""
+    n(n+1)/2 query-key pairs; only the last token of each prompt produces logits; weights are
+    read at least once and the new KV written once."""
     n = s.config.input_len
     if n == 0:
         return StepBound(0.0, 0.0, 0.0, "compute")
     attn = attention_flops_per_context_token(s.model, "prefill") * n * (n + 1) / 2
-    flops = batch * (2 * s.counts.matmul_active * n + attn)
+    flops = matmul_flops(s.counts, batch * n, batch) + batch * attn
     nbytes = weight_bytes_read(s, batch * n) + batch * n * s.kv_bytes_per_token_stored
     return _bound(s, nbytes, flops)
 
@@ -247,7 +272,7 @@ class PlanPoint:
     prefill_tokens_per_s: float  # input tokens / prefill_s
     e2e_tokens_per_s: float  # output tokens / (prefill + decode), run back to back
     e2e_overlap_tokens_per_s: float  # same, if prefill could hide entirely under decode
-    usd_per_m_output: float | None  # floor at e2e_tokens_per_s; None when the price is 0
+    usd_per_m_output: float | None  # floor at e2e_tokens_per_s; None: price 0 or does not fit
     fits: bool  # the KV of batch_size requests fits beside the weights
     limit: str  # what caps this point, see point_limit()
 
@@ -260,6 +285,8 @@ class Plan:
     params_total: int
     params_active: int
     memory: MemoryPlan
+    fits: bool  # the weights and one request's KV fit on each replica's tp devices
+    devices_needed: int | None  # smallest TP group of this hardware that fits; None: none does
     price_per_hour_total: float
     compute_bound_from: int | None  # smallest batch whose decode is compute-bound
     kv_dominates_from: int | None  # smallest batch whose decode reads more KV than weights
@@ -278,12 +305,13 @@ def plan_point(s: Setup, batch_size: int, max_batch: int) -> PlanPoint:
                     (pre.flops + out * step.flops) / s.peak_flops)
     price = (c.price_per_hour or 0.0) * c.num_devices
     fits = batch_size <= max_batch
+    # a batch that cannot be held has no price: running it needs other hardware
     return PlanPoint(
         batch_size=batch_size, decode_step_s=step.seconds, decode_bound=step.bound,
         decode_tokens_per_s=batch_size / step.seconds, prefill_s=pre.seconds,
         prefill_tokens_per_s=batch_size * c.input_len / pre.seconds if pre.seconds else math.inf,
         e2e_tokens_per_s=serial, e2e_overlap_tokens_per_s=tokens / overlap_t,
-        usd_per_m_output=usd_per_million(price, serial) if price > 0 else None,
+        usd_per_m_output=usd_per_million(price, serial) if price > 0 and fits else None,
         fits=fits, limit=point_limit(step, fits))
 
 
@@ -350,19 +378,33 @@ def min_batch_for(s: Setup, target_tokens_per_s: float, metric: str = "decode") 
     return _first_true(reaches)
 
 
+def devices_needed(s: Setup) -> int | None:
+    """Smallest tensor-parallel group of this hardware that holds the weights plus one request
+    at input+output tokens, at this dtype and reserve. Only TP sizes the model can be split
+    into count (they must divide the attention heads). None: no TP size up to the number of
+    heads is enough (e.g. MLA, whose cache every rank stores whole, on small devices)."""
+    for tp in range(1, s.model.num_heads + 1):
+        try:
+            trial = make_setup(s.model, s.hardware, replace(s.config, num_devices=tp, tp=tp))
+        except PlanError:  # tp does not divide the heads, or splits the KV heads unevenly
+            continue
+        if memory_plan(trial).max_batch >= 1:
+            return tp
+    return None
+
+
 def make_plan(model: ModelSpec, hardware: HardwareSpec, config: PlanConfig) -> Plan:
     s = make_setup(model, hardware, config)
     mem = memory_plan(s)
     c = s.config
     notes = []
-    if mem.usable_kv_bytes_per_replica <= 0:
-        notes.append("the weights alone exceed the usable memory: nothing fits")
     if model.max_context and c.input_len + c.output_len > model.max_context:
         notes.append(f"input+output {c.input_len + c.output_len} exceeds the model's "
                      f"context of {model.max_context}")
     return Plan(
         model=model, hardware=hardware, config=c, params_total=s.counts.total,
-        params_active=s.counts.active, memory=mem,
+        params_active=s.counts.active, memory=mem, fits=mem.max_batch >= 1,
+        devices_needed=devices_needed(s),
         price_per_hour_total=(c.price_per_hour or 0.0) * c.num_devices,
         compute_bound_from=compute_bound_from(s), kv_dominates_from=kv_dominates_from(s),
         points=tuple(plan_point(s, b, mem.max_batch) for b in c.batch_sizes),

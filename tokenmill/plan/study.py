@@ -22,6 +22,7 @@ from .roofline import (
     PlanPoint,
     make_plan,
     make_setup,
+    matmul_flops,
     memory_plan,
     min_batch_for,
 )
@@ -141,11 +142,17 @@ def parse_study(text: str) -> Study:
 
 
 def load_study(path: str | Path | None = None) -> Study:
-    path = Path(path) if path else DEFAULT_STUDY
+    """Parse the study at ``path`` (default: the shared reference copy beside the repo)."""
+    where = Path(path) if path else DEFAULT_STUDY
+    hint = "" if path else " (give the study's Markdown file with --study-file PATH)"
     try:
-        return parse_study(path.read_text())
+        text = where.read_text(encoding="utf-8")
     except OSError as exc:
-        raise PlanError("study", f"cannot read {path}: {exc.strerror}") from None
+        raise PlanError("study", f"cannot read {where}: {exc.strerror}{hint}") from None
+    except UnicodeDecodeError:
+        raise PlanError("study", f"{where} is not UTF-8 text (the study is a Markdown file)") \
+            from None
+    return parse_study(text)
 
 
 # --- the check ----------------------------------------------------------------------------
@@ -411,7 +418,7 @@ def claim_prefix_caching(study: Study, rows: tuple[RowCheck, ...]) -> ClaimCheck
     llama = _find(rows, "llama-3.1-70b-instruct")
     if llama and llama.plan and llama.deployment:
         # the compute floor for prefilling the shared prompt once per request
-        flops = 2 * param_counts(llama.model).matmul_active * tokens
+        flops = matmul_flops(param_counts(llama.model), tokens, requests)
         hw = CATALOG[llama.deployment.hardware]
         hours = flops / hw.bf16_flops / 3600
         detail += (f"; for Llama-3.1-70B that is >= {flops:.2e} FLOPs, >= {hours:.1f} "

@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from tokenmill.openai_compat import SUPPORTED_URLS
 from tokenmill.serve import openai_api
-from tokenmill.serve.batches import public
+from tokenmill.serve.batches import COMPLETION_WINDOWS, OUTPUT_EXPIRY_SECONDS, public
 from tokenmill.serve.errors import APIError, bad_request, error_responses, install_handlers
 from tokenmill.serve.limits import BodyLimit
 from tokenmill.serve.state import ServeState
@@ -29,12 +29,22 @@ EVENT_STREAM = {200: {"description": "the completion: JSON, or server-sent event
                       "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
+class OutputExpiresAfter(BaseModel):
+    """When a batch's output and error files are deleted: `seconds` after each file is created."""
+
+    # The allowed values, for the description; BatchManager.create refuses the others by name.
+    anchor: str = Field(strict=True, json_schema_extra={"enum": ["created_at"]})
+    seconds: int = Field(strict=True, json_schema_extra={"minimum": OUTPUT_EXPIRY_SECONDS[0],
+                                                         "maximum": OUTPUT_EXPIRY_SECONDS[1]})
+
+
 class BatchCreate(BaseModel):
     input_file_id: str
     # The allowed values, for the description; BatchManager.create refuses the others by name.
     endpoint: str = Field(json_schema_extra={"enum": list(SUPPORTED_URLS)})
-    completion_window: str = Field("24h", json_schema_extra={"enum": ["24h"]})
+    completion_window: str = Field("24h", json_schema_extra={"enum": list(COMPLETION_WINDOWS)})
     metadata: dict[str, str] | None = None
+    output_expires_after: OutputExpiresAfter | None = None
 
 
 def create_app(state: ServeState) -> FastAPI:
@@ -127,7 +137,8 @@ def _file_routes(app: FastAPI, state: ServeState) -> None:
 def _batch_routes(app: FastAPI, state: ServeState) -> None:
     @app.post("/v1/batches", responses=error_responses(400, 404, 413))
     async def create(body: BatchCreate) -> dict[str, Any]:
-        return state.batches.create(body.input_file_id, body.endpoint, body.completion_window, body.metadata)
+        expiry = body.output_expires_after.model_dump() if body.output_expires_after else None
+        return state.batches.create(body.input_file_id, body.endpoint, body.completion_window, body.metadata, expiry)
 
     @app.get("/v1/batches/{batch_id}", responses=error_responses(404))
     async def get(batch_id: str) -> dict[str, Any]:

@@ -9,6 +9,9 @@ Layout under the state directory:
 
 A batch that was validating / in_progress / finalizing when the server stopped is run again at
 start-up; the job runner skips every line that already has a result.
+
+A batch still unfinished when its completion window closes is stopped and ends `expired`: the
+rows already written stay, every request without one gets a `batch_expired` error row.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -27,9 +30,9 @@ from rich.console import Console
 
 from tokenmill.jobs.backend import StopFlag
 from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.output import JobError, write_json_atomic
+from tokenmill.jobs.output import JobError, JsonlAppender, error_row, usage_of, write_json_atomic
 from tokenmill.jobs.runner import run_job
-from tokenmill.jobs.spec import DocumentOptions, LineError, json_object_line, read_input
+from tokenmill.jobs.spec import DocumentOptions, InputFile, LineError, json_object_line, read_input
 from tokenmill.openai_compat import SUPPORTED_URLS, new_id
 from tokenmill.serve.backend import ServingBackend
 from tokenmill.serve.errors import APIError, bad_request
@@ -38,21 +41,31 @@ from tokenmill.serve.limits import too_large
 log = logging.getLogger(__name__)
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
-COMPLETION_WINDOW_S = 24 * 3600
+COMPLETION_WINDOWS = {"24h": 24 * 3600}  # the one window OpenAI accepts, in seconds
+OUTPUT_EXPIRY_SECONDS = (3600, 30 * 24 * 3600)  # OpenAI's bounds on output_expires_after.seconds
+DEADLINE_POLL_S = 0.25  # how soon a running batch notices that its window has closed
+EXPIRED_CODE = "batch_expired"
+EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."  # OpenAI's words
+MAX_LISTED_LINE_ERRORS = 20  # a failed batch's `errors` names at most this many bad lines
+
+Clock = Callable[[], float]  # Unix time in seconds
 
 
 class FileStore:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, clock: Clock = time.time) -> None:
         self.root = root / "files"
         self.root.mkdir(parents=True, exist_ok=True)
+        self._clock = clock
 
-    def create(self, data: bytes, filename: str, purpose: str, path: Path | None = None) -> dict[str, Any]:
-        """Store bytes, or register a file the server wrote (`path`, e.g. a batch's results)."""
+    def create(self, data: bytes, filename: str, purpose: str, path: Path | None = None,
+               expires_after: int | None = None) -> dict[str, Any]:
+        """Store bytes, or register a file the server wrote (`path`, e.g. a batch's results);
+        with `expires_after`, the file is deleted that many seconds from now."""
         file_id = new_id("file-")
         if path is None:
             path = self.root / f"{file_id}.jsonl"
             path.write_bytes(data)
-        return self._register(file_id, path, filename, purpose)
+        return self._register(file_id, path, filename, purpose, expires_after)
 
     def upload(self, source: BinaryIO, filename: str, purpose: str, max_bytes: int,
                max_line_bytes: int) -> dict[str, Any]:
@@ -74,10 +87,12 @@ class FileStore:
 
     def get(self, file_id: str) -> dict[str, Any]:
         try:
-            text = self._meta(file_id).read_text()
+            obj = json.loads(self._meta(file_id).read_text())
         except (OSError, ValueError):  # no such file, or a name no file can have (too long, a NUL byte)
-            raise APIError(404, f"No such File object: {file_id}", param="file_id", code="file_not_found") from None
-        return json.loads(text)
+            obj = None
+        if obj is None or self._expire(obj):
+            raise APIError(404, f"No such File object: {file_id}", param="file_id", code="file_not_found")
+        return obj
 
     def path(self, file_id: str) -> Path:
         return Path(self.get(file_id)["_path"])
@@ -90,21 +105,34 @@ class FileStore:
                 obj = json.loads(meta.read_text())
             except FileNotFoundError:  # deleted since the glob
                 continue
-            if purpose is None or obj["purpose"] == purpose:
+            if (purpose is None or obj["purpose"] == purpose) and not self._expire(obj):
                 files.append(obj)
         return sorted(files, key=lambda f: (f["created_at"], f["id"]), reverse=True)
 
     def delete(self, file_id: str) -> dict[str, Any]:
-        path = self.path(file_id)  # a 404 for an unknown id
-        self._meta(file_id).unlink(missing_ok=True)  # first: from here on the file is gone for everyone
-        path.unlink(missing_ok=True)
+        self._remove(self.get(file_id))  # a 404 for an unknown id
         return {"id": file_id, "object": "file", "deleted": True}
+
+    def _remove(self, obj: dict[str, Any]) -> None:
+        self._meta(obj["id"]).unlink(missing_ok=True)  # first: from here on the file is gone for everyone
+        Path(obj["_path"]).unlink(missing_ok=True)
+
+    def _expire(self, obj: dict[str, Any]) -> bool:
+        """Whether the file is past its `expires_at`; if so it is deleted (when first looked at)."""
+        expires_at = obj.get("expires_at")
+        if expires_at is None or self._clock() < expires_at:
+            return False
+        self._remove(obj)
+        return True
 
     def _meta(self, file_id: str) -> Path:
         return self.root / f"{Path(file_id).name}.json"  # .name: an id is never a path
 
-    def _register(self, file_id: str, path: Path, filename: str, purpose: str) -> dict[str, Any]:
-        obj = {"id": file_id, "object": "file", "bytes": path.stat().st_size, "created_at": int(time.time()),
+    def _register(self, file_id: str, path: Path, filename: str, purpose: str,
+                  expires_after: int | None = None) -> dict[str, Any]:
+        now = int(self._clock())
+        obj = {"id": file_id, "object": "file", "bytes": path.stat().st_size, "created_at": now,
+               "expires_at": None if expires_after is None else now + expires_after,
                "filename": filename, "purpose": purpose, "status": "processed", "_path": str(path)}
         write_json_atomic(self.root / f"{file_id}.json", obj)
         return obj
@@ -149,10 +177,12 @@ def public(obj: dict[str, Any]) -> dict[str, Any]:
 class BatchManager:
     """Batches run one at a time, in creation order, on a worker thread."""
 
-    def __init__(self, root: Path, files: FileStore, make_backend: Callable[[str, str], ServingBackend]) -> None:
+    def __init__(self, root: Path, files: FileStore, make_backend: Callable[[str, str], ServingBackend],
+                 model: str, clock: Clock = time.time) -> None:
+        """`model`: the served model, which runs every batch; `clock`: Unix time, for deadlines."""
         self.root = root / "batches"
         self.root.mkdir(parents=True, exist_ok=True)
-        self.files, self._make_backend = files, make_backend
+        self.files, self._make_backend, self.model, self._clock = files, make_backend, model, clock
         self._lock = threading.RLock()  # status changes come from the worker and from cancel
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._stops: dict[str, StopFlag] = {}  # the running batch's stop flag
@@ -163,7 +193,7 @@ class BatchManager:
     def start(self) -> None:
         for obj in sorted(self._all(), key=lambda b: b["created_at"]):
             if obj["status"] == "cancelling":
-                self._update(obj["id"], status="cancelled", cancelled_at=int(time.time()))
+                self._update(obj["id"], status="cancelled", cancelled_at=self._now())
             elif obj["status"] in ACTIVE:
                 log.info("resuming batch %s (%s)", obj["id"], obj["status"])
                 self._queue.put(obj["id"])
@@ -180,24 +210,26 @@ class BatchManager:
             self._thread.join(timeout=60)
 
     # ---- the API ----------------------------------------------------------------------------------
-    def create(self, input_file_id: str, endpoint: str, completion_window: str,
-               metadata: dict[str, str] | None) -> dict[str, Any]:
+    def create(self, input_file_id: str, endpoint: str, completion_window: str, metadata: dict[str, str] | None,
+               output_expires_after: dict[str, Any] | None = None) -> dict[str, Any]:
         if endpoint not in SUPPORTED_URLS:
             raise bad_request(f"endpoint must be one of {list(SUPPORTED_URLS)}, got {endpoint!r}", param="endpoint")
-        if completion_window != "24h":
-            raise bad_request(f"completion_window must be '24h', got {completion_window!r}",
+        if completion_window not in COMPLETION_WINDOWS:
+            raise bad_request(f"completion_window must be one of {list(COMPLETION_WINDOWS)}, got {completion_window!r}",
                               param="completion_window")
+        _check_output_expiry(output_expires_after)
         file = self.files.get(input_file_id)
         if file["purpose"] != "batch":
             raise bad_request(f"file {input_file_id} has purpose {file['purpose']!r}, not 'batch'",
                               param="input_file_id")
-        now = int(time.time())
-        obj = {"id": new_id("batch_"), "object": "batch", "endpoint": endpoint, "errors": None,
+        now = self._now()
+        obj = {"id": new_id("batch_"), "object": "batch", "endpoint": endpoint, "model": self.model, "errors": None,
                "input_file_id": input_file_id, "completion_window": completion_window, "status": "validating",
                "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
-               "expires_at": now + COMPLETION_WINDOW_S, "finalizing_at": None, "completed_at": None,
-               "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-               "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
+               "expires_at": now + COMPLETION_WINDOWS[completion_window], "finalizing_at": None,
+               "completed_at": None, "failed_at": None, "expired_at": None, "cancelling_at": None,
+               "cancelled_at": None, "request_counts": {"total": 0, "completed": 0, "failed": 0},
+               "usage": None, "metadata": metadata, "output_expires_after": output_expires_after}
         self._save(obj)
         self._queue.put(obj["id"])
         return obj
@@ -208,7 +240,7 @@ class BatchManager:
             text = path.read_text()
         except (OSError, ValueError):  # no such batch, or a name no file can have (too long, a NUL byte)
             raise APIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="batch_not_found") from None
-        obj = json.loads(text)
+        obj = {**BATCH_FIELDS_ADDED_LATER, **json.loads(text)}
         if obj["status"] in ("in_progress", "cancelling"):  # live counts, straight from the output files
             counts = obj["request_counts"]
             counts["completed"], counts["failed"] = self._count_rows(batch_id)
@@ -232,7 +264,7 @@ class BatchManager:
             obj = self.get(batch_id)
             if obj["status"] not in ("validating", "in_progress"):
                 raise APIError(409, f"cannot cancel a batch that is {obj['status']}", param="batch_id")
-            obj = self._update(batch_id, status="cancelling", cancelling_at=int(time.time()))
+            obj = self._update(batch_id, status="cancelling", cancelling_at=self._now())
             stop = self._stops.get(batch_id)
         if stop is not None:
             stop.request()
@@ -247,71 +279,110 @@ class BatchManager:
                 self._run(batch_id)
             except Exception as exc:  # a bug must fail the batch, not the worker
                 log.exception("batch %s failed", batch_id)
-                self._fail(batch_id, "server_error", f"{type(exc).__name__}: {exc}")
+                self._fail(batch_id, [_batch_error("server_error", f"{type(exc).__name__}: {exc}")])
 
     def _run(self, batch_id: str) -> None:
         obj = self.get(batch_id)
         if obj["status"] == "cancelling":
-            self._update(batch_id, status="cancelled", cancelled_at=int(time.time()))
+            self._update(batch_id, status="cancelled", cancelled_at=self._now())
             return
         backend = self._make_backend(batch_id, obj["endpoint"])
         input_path = self.files.path(obj["input_file_id"])
         try:
             spec = read_input(input_path, DocumentOptions(), "batch", backend.check)
         except (OSError, ValueError) as exc:
-            self._fail(batch_id, "invalid_file", str(exc))
+            self._fail(batch_id, [_batch_error("invalid_file", str(exc))])
             return
         if not spec.entries:
-            reasons = "; ".join(e.message for e in spec.errors[:5]) or "the file has no requests"
-            self._fail(batch_id, "invalid_file", f"no valid request in the input file: {reasons}")
+            self._fail(batch_id, _line_errors(spec))
             return
-        counts = {"total": spec.num_lines, "completed": 0, "failed": 0}
         stop = StopFlag()
-        with self._lock:  # a cancel that came in while validating wins
-            if self.get(batch_id)["status"] == "cancelling":
-                stop.request()
+        with self._lock:
+            if self.get(batch_id)["status"] == "cancelling" or self._past_deadline(obj):
+                stop.request()  # nothing runs: a cancel that came in while validating wins, a late batch expires
             else:
-                self._update(batch_id, status="in_progress", request_counts=counts,
-                             in_progress_at=obj["in_progress_at"] or int(time.time()))
+                self._update(batch_id, status="in_progress", in_progress_at=obj["in_progress_at"] or self._now(),
+                             request_counts={"total": spec.num_lines, "completed": 0, "failed": 0})
             self._stops[batch_id] = stop
+        job_over = self._stop_at_deadline(obj["expires_at"], stop)
         try:
             self._run_job(batch_id, input_path, backend, stop)
         finally:
+            job_over.set()
             del self._stops[batch_id]
         if not self._shutdown:
-            self._finalize(batch_id)
+            self._finalize(batch_id, spec)
+
+    def _stop_at_deadline(self, deadline: int, stop: StopFlag) -> threading.Event:
+        """Stops the job once the clock reaches `deadline`; set the event returned when the job is over."""
+        job_over = threading.Event()
+
+        def watch() -> None:
+            while not job_over.wait(DEADLINE_POLL_S):
+                if self._clock() >= deadline:
+                    stop.request()  # in-flight requests are aborted, their lines left without a row
+                    return
+
+        threading.Thread(target=watch, name="tokenmill-batch-deadline", daemon=True).start()
+        return job_over
 
     def _run_job(self, batch_id: str, input_path: Path, backend: ServingBackend, stop: StopFlag) -> None:
         config = JobConfig(input=input_path, output=self.root / batch_id, input_format="batch", progress=False)
         try:
             run_job(config, backend, console=Console(quiet=True), stop=stop)
         except JobError as exc:
-            self._fail(batch_id, "invalid_file", str(exc))
+            self._fail(batch_id, [_batch_error("invalid_file", str(exc))])
 
-    def _finalize(self, batch_id: str) -> None:
+    def _finalize(self, batch_id: str, spec: InputFile) -> None:
         obj = self.get(batch_id)
         if obj["status"] == "failed":
             return
-        cancelled = obj["status"] == "cancelling"
-        if not cancelled:
-            obj = self._update(batch_id, status="finalizing", finalizing_at=int(time.time()))
         out_dir = self.root / batch_id
+        if obj["status"] == "cancelling":  # what finished is kept; the rest is simply not run
+            final = {"status": "cancelled", "cancelled_at": self._now()}
+        elif self._past_deadline(obj) and self._expire_unfinished(out_dir, spec):
+            final = {"status": "expired", "expired_at": self._now()}
+        else:
+            self._update(batch_id, status="finalizing", finalizing_at=self._now())
+            final = {"status": "completed", "completed_at": self._now()}
         completed, failed = self._count_rows(batch_id)
+        expiry = (obj["output_expires_after"] or {}).get("seconds")
         ids = {}
         outputs = (("output_file_id", "results.jsonl", completed), ("error_file_id", "errors.jsonl", failed))
         for key, name, rows in outputs:
             if rows:
-                ids[key] = self.files.create(b"", f"{batch_id}_{name}", "batch_output", out_dir / name)["id"]
-        counts = {**obj["request_counts"], "completed": completed, "failed": failed}
-        now = int(time.time())
-        final = ({"status": "cancelled", "cancelled_at": now} if cancelled
-                 else {"status": "completed", "completed_at": now})
-        self._update(batch_id, request_counts=counts, **ids, **final)
+                ids[key] = self.files.create(b"", f"{batch_id}_{name}", "batch_output", out_dir / name,
+                                             expires_after=expiry)["id"]
+        counts = {"total": spec.num_lines, "completed": completed, "failed": failed}
+        self._update(batch_id, request_counts=counts, usage=_usage(out_dir / "results.jsonl"), **ids, **final)
+
+    def _expire_unfinished(self, out_dir: Path, spec: InputFile) -> int:
+        """Give every request that has no row yet an expired error row; returns how many requests
+        expired, counting those an earlier try wrote before the server stopped."""
+        done, expired = set(), 0
+        for name in ("results.jsonl", "errors.jsonl"):
+            for row in _rows(out_dir / name):
+                done.add(row.get("custom_id"))
+                expired += (row.get("error") or {}).get("code") == EXPIRED_CODE
+        unfinished = [entry.custom_id for entry in spec.entries if entry.custom_id not in done]
+        if unfinished:
+            errors = JsonlAppender(out_dir / "errors.jsonl")
+            try:
+                for custom_id in unfinished:
+                    errors.write(_expired_row(custom_id))
+            finally:
+                errors.close()
+        return expired + len(unfinished)
 
     # ---- storage ----------------------------------------------------------------------------------
-    def _fail(self, batch_id: str, code: str, message: str) -> None:
-        errors = {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}
-        self._update(batch_id, status="failed", failed_at=int(time.time()), errors=errors)
+    def _now(self) -> int:
+        return int(self._clock())
+
+    def _past_deadline(self, obj: dict[str, Any]) -> bool:
+        return self._clock() >= obj["expires_at"]
+
+    def _fail(self, batch_id: str, errors: list[dict[str, Any]]) -> None:
+        self._update(batch_id, status="failed", failed_at=self._now(), errors={"object": "list", "data": errors})
 
     def _count_rows(self, batch_id: str) -> tuple[int, int]:
         def rows(name: str) -> int:
@@ -331,3 +402,60 @@ class BatchManager:
 
     def _all(self) -> list[dict[str, Any]]:
         return [json.loads(p.read_text()) for p in self.root.glob("*.json")]
+
+
+# Batches written before these fields existed read as if created with them unset.
+BATCH_FIELDS_ADDED_LATER: dict[str, Any] = {"model": None, "usage": None, "output_expires_after": None}
+
+
+def _check_output_expiry(policy: dict[str, Any] | None) -> None:
+    """OpenAI's rules for `output_expires_after`: anchor `created_at`, 1 hour to 30 days."""
+    if policy is None:
+        return
+    if policy.get("anchor") != "created_at":
+        raise bad_request(f"output_expires_after.anchor must be 'created_at', got {policy.get('anchor')!r}",
+                          param="output_expires_after")
+    seconds, (shortest, longest) = policy.get("seconds"), OUTPUT_EXPIRY_SECONDS
+    if type(seconds) is not int or not shortest <= seconds <= longest:
+        raise bad_request(f"output_expires_after.seconds must be an integer from {shortest} (1 hour) to "
+                          f"{longest} (30 days), got {seconds!r}", param="output_expires_after")
+
+
+def _batch_error(code: str, message: str, line: int | None = None) -> dict[str, Any]:
+    """One entry of a failed batch's `errors.data`, in OpenAI's shape."""
+    return {"code": code, "message": message, "param": None, "line": line}
+
+
+def _line_errors(spec: InputFile) -> list[dict[str, Any]]:
+    """Why a file with no valid request failed: its bad lines, each by number (the first few)."""
+    if not spec.errors:
+        return [_batch_error("invalid_file", "no valid request in the input file: the file has no requests")]
+    listed = [_batch_error("invalid_input", e.reason, e.line) for e in spec.errors[:MAX_LISTED_LINE_ERRORS]]
+    if (more := len(spec.errors) - MAX_LISTED_LINE_ERRORS) > 0:
+        listed.append(_batch_error("invalid_input", f"and {more} more bad line(s)"))
+    return listed
+
+
+def _expired_row(custom_id: str) -> dict[str, Any]:
+    """OpenAI's error row for a request the completion window closed on, in OpenAI's words."""
+    return error_row(custom_id, None, EXPIRED_CODE, EXPIRED_MESSAGE)
+
+
+def _rows(path: Path) -> Iterator[dict[str, Any]]:
+    """The rows of a JSONL file the job runner wrote (none if it does not exist)."""
+    if not path.exists():
+        return
+    with path.open("rb") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def _usage(results: Path) -> dict[str, Any]:
+    """OpenAI's batch `usage`: the tokens of every request that has a result."""
+    prompt = cached = completion = 0
+    for row in _rows(results):
+        p, c, o = usage_of((row.get("response") or {}).get("body"))
+        prompt, cached, completion = prompt + p, cached + c, completion + o
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}

@@ -4,6 +4,7 @@ bodies into engine requests, the Batch API's files and batches, and the metrics.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,14 +27,17 @@ class ServeState:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a JSON body (413 over it)
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES  # a `POST /v1/files` file (413 over it)
     docs: bool = True  # serve /docs, /redoc and /openapi.json
+    # The Batch API's clock (Unix seconds): batch deadlines, output file expiry. Tests move it on
+    # to let a batch's 24 h go by in an instant.
+    clock: Callable[[], float] = time.time
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
-        self.metrics = ServeMetrics(lambda: self.loop.snapshot)
+        self.metrics = ServeMetrics(lambda: self.loop.snapshot, self.model_name)
         self.loop = EngineLoop(self.llm.engine, self.metrics)
         self.backend = ServingBackend(self.llm, self.loop, self.model_name)
-        self.files = FileStore(self.state_dir)
-        self.batches = BatchManager(self.state_dir, self.files, self._batch_backend)
+        self.files = FileStore(self.state_dir, self.clock)
+        self.batches = BatchManager(self.state_dir, self.files, self._batch_backend, self.model_name, self.clock)
 
     def _batch_backend(self, batch_id: str, endpoint: str) -> ServingBackend:
         return ServingBackend(self.llm, self.loop, self.model_name, batch_id=batch_id, endpoint=endpoint)
