@@ -184,7 +184,8 @@ def test_resume_on_ray_skips_the_rows_already_written(on_ray: Path, single: dict
     summary = json.loads((on_ray / "summary.json").read_text())
     assert summary["requests"] == {"total": 10, "done": 7, "failed": 3, "not_done": 0, "invalid_lines": 1,
                                    "retryable": 1, "done_this_run": 5, "failed_this_run": 2,
-                                   "structured": 1, "structured_cut": 1}  # "digits", answered on a replica
+                                   "structured": 1, "structured_cut": 1,  # "digits", answered on a replica
+                                   "max_tokens_defaulted": 9, "default_max_tokens": 6}  # OPTIONS filled them all
 
 
 class Gauge:
