@@ -118,8 +118,6 @@ def resolve(args: argparse.Namespace) -> tuple[Workload, SweepConfig]:
     return workload, cfg
 
 
-
-
 def build_target(args: argparse.Namespace, max_batch: int, engine: str = "embedded") -> Any:
     if args.endpoint:
         from tokenmill.bench.endpoint import EndpointTarget

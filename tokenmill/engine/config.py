@@ -113,7 +113,7 @@ class EngineConfig:
             if not torch.cuda.is_available():
                 build = "has no CUDA" if torch.version.cuda is None else "finds no GPU"
                 raise ValueError(f"--device {self.device}: this torch ({torch.__version__}) {build}; use --device "
-                                 "cpu, or install torch's CUDA build (README: \"A GPU\")")
+                                 "cpu, or install torch's CUDA build (README, \"Running on GPUs\")")
             if device.index is not None and device.index >= torch.cuda.device_count():
                 raise ValueError(f"--device {self.device}: this machine has {torch.cuda.device_count()} GPU(s)")
         return device

@@ -80,8 +80,10 @@ class DocumentOptions:
             "temperature": self.temperature, "body_model": self.model, "completions": self.completions,
         }
         # Only when set: jobs from before these options still resume.
-        later: dict[str, Any] = {"structured_outputs": self.structured_outputs, "prompt_column": self.prompt_column,
-                 "id_column": self.id_column}
+        later: dict[str, Any] = {
+            "structured_outputs": self.structured_outputs, "prompt_column": self.prompt_column,
+            "id_column": self.id_column,
+        }
         settings.update({name: value for name, value in later.items() if value is not None})
         return settings
 
@@ -218,12 +220,13 @@ class _TextLines:
         self._f, self._digest = f, digest
         self.offset = f.tell()  # where the next line starts
         self.count = 0  # lines read
+        self.raw = b""  # the last line, as read
 
     def __iter__(self) -> _TextLines:
         return self
 
     def __next__(self) -> str:
-        raw = self._f.readline()
+        self.raw = raw = self._f.readline()
         if not raw:
             raise StopIteration
         if self._digest is not None:
@@ -234,8 +237,8 @@ class _TextLines:
 
 
 def _line_records(lines: _TextLines, spec: InputFile) -> Iterator[_Record]:
-    for text in lines:
-        number, raw = lines.count, text.encode("utf-8", errors="surrogateescape")
+    for _ in lines:
+        number, raw = lines.count, lines.raw
         if raw.strip():  # blank lines are not requests
             yield _Record(number, lines.offset - len(raw), len(raw),
                           partial(parse_line, raw, number, spec.format, spec.options), _readable_id(raw, spec.format))
