@@ -4,15 +4,22 @@ engine's insides kept inside it. README.md ("Architecture") describes the same t
 from __future__ import annotations
 
 import ast
+import importlib
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tokenmill"
 
 # Each part of tokenmill/ and the parts it may import (besides itself). Arrows only point down:
-# serve, choose → jobs → openai_compat → engine, bench → models, plan → cost, environment, gguf_header.
+# serve, choose → jobs → openai_compat, engines, bench → engine, vllm_engine → models, plan → cost,
+# environment, gguf_header.
 LAYERS: dict[str, set[str]] = {
     "cost": set(),
     "environment": set(),
@@ -21,14 +28,16 @@ LAYERS: dict[str, set[str]] = {
     "models": {"environment", "gguf_header"},
     "engine": {"models", "plan", "cost", "environment"},  # plan: hardware names as prices
     "vllm_engine": {"engine", "models", "environment"},  # vLLM behind the engine's interface
-    "bench": {"engine", "vllm_engine", "models", "plan", "cost", "environment"},
+    "engines": {"engine", "vllm_engine", "models"},  # which in-process engine: the one loader of a spec
+    "bench": {"engines", "engine", "vllm_engine", "models", "plan", "cost", "environment"},
     "openai_compat": {"engine"},
-    "jobs": {"openai_compat", "engine", "vllm_engine", "models", "plan", "cost", "environment"},
-    "serve": {"jobs", "openai_compat", "engine", "environment"},
+    "jobs": {"openai_compat", "engines", "engine", "vllm_engine", "models", "plan", "cost", "environment"},
+    "serve": {"jobs", "openai_compat", "engines", "engine", "vllm_engine", "environment"},
     "choose": {"jobs", "openai_compat", "plan", "cost", "environment"},
     "cli": set(),  # loads each command's package by name (importlib), so it imports none of them
     "__main__": {"cli"},
-    "__init__": {"engine"},  # `from tokenmill import LLM`: the facade for users, not for the package itself
+    # `from tokenmill import LLM, run_job`: the facade for users (the Python API), not for the package itself
+    "__init__": {"engine", "jobs", "vllm_engine"},
 }
 # What code outside engine/ may import from it: the package's exports and the flag helper.
 ENGINE_SURFACE = {"tokenmill.engine", "tokenmill.engine.args"}
@@ -149,3 +158,151 @@ def test_the_checks_catch_a_planted_upward_import_and_cycle(monkeypatch: pytest.
         test_imports_only_point_down()
     with pytest.raises(AssertionError, match="planted_a → tokenmill.engine.planted_b → tokenmill.engine.planted_a"):
         test_no_import_cycles()
+
+
+# ---- command modules and cold start ----------------------------------------------------------------
+
+
+def test_no_package_imports_another_packages_cli_module() -> None:
+    """A command's cli module is its argument parsing and wiring, for `tokenmill.cli` to load by
+    name: what another package needs from it (a default, a helper) lives in a module of its own, so
+    that building one command's parser never imports another command."""
+    wrong = [f"{m}:{line} imports {t}" for m in MODULES if m not in ("tokenmill.cli", "tokenmill.__main__")
+             for t, _, line in targets(m)
+             if len(t.split(".")) == 3 and t.endswith(".cli") and part_of(t) != part_of(m)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_cli_check_catches_a_planted_import(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    plant(monkeypatch, tmp_path, "tokenmill.choose.planted", "def later():\n    from tokenmill.jobs import cli\n")
+    with pytest.raises(AssertionError, match="tokenmill.choose.planted:2 imports tokenmill.jobs.cli"):
+        test_no_package_imports_another_packages_cli_module()
+
+
+HEAVY = ("torch", "transformers", "llguidance")  # seconds to import; none is needed to parse flags
+# Runs `tokenmill ARGS` in a fresh interpreter and writes down what it imported: the exit code, the
+# tokenmill modules, and for each heavy library the chain that first imported it (module bodies and
+# tokenmill functions, outermost first), so a failure names the import to cut.
+PROBE = """
+import json, os, sys
+
+HEAVY = HEAVY_NAMES
+first = {}
+
+
+def chain():
+    frame, links = sys._getframe(2), []
+    while frame is not None:
+        name, code = frame.f_globals.get("__name__", "?"), frame.f_code.co_name
+        if code == "<module>":
+            links.append(name)
+        elif name.startswith("tokenmill"):
+            links.append(f"{name}.{code}()")
+        frame = frame.f_back
+    links.reverse()
+    return [link for i, link in enumerate(links) if i == 0 or link != links[i - 1]]
+
+
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        top = name.partition(".")[0]
+        if top in HEAVY and top not in first:
+            first[top] = [*chain(), name]
+        return None
+
+
+sys.meta_path.insert(0, Watch())
+from tokenmill.cli import main
+
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+report = {"code": code, "heavy": {m: first.get(m, ["?"]) for m in HEAVY if m in sys.modules},
+          "modules": sorted(m for m in sys.modules if m.startswith("tokenmill"))}
+with open(os.environ["TOKENMILL_PROBE"], "w") as out:
+    json.dump(report, out)
+""".replace("HEAVY_NAMES", repr(HEAVY))
+
+
+def probe(args: list[str], tmp_path: Path, timeout: float = 120) -> dict[str, Any]:
+    report = tmp_path / "probe.json"
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}  # the stub is on 127.0.0.1
+    env.update(TOKENMILL_PROBE=str(report), PYTHONPATH=str(PACKAGE.parent))
+    proc = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert report.exists(), f"tokenmill {' '.join(args)} crashed:\n{proc.stderr[-3000:]}"
+    result = json.loads(report.read_text())
+    result["stderr"] = proc.stderr
+    return result
+
+
+def heavy_imports(result: dict[str, Any]) -> str:
+    return "\n".join(f"{lib}: {' → '.join(links)}" for lib, links in result["heavy"].items())
+
+
+def cli_modules(result: dict[str, Any]) -> list[str]:
+    return [m for m in result["modules"] if m == "tokenmill.cli" or m.endswith(".cli")]
+
+
+def test_tokenmill_help_imports_no_command(tmp_path: Path) -> None:
+    result = probe(["--help"], tmp_path)
+    assert result["code"] == 0, result["stderr"]
+    assert not result["heavy"], heavy_imports(result)
+    assert cli_modules(result) == ["tokenmill.cli"]
+
+
+def test_run_help_imports_only_the_jobs_command(tmp_path: Path) -> None:
+    result = probe(["run", "--help"], tmp_path)
+    assert result["code"] == 0, result["stderr"]
+    assert cli_modules(result) == ["tokenmill.cli", "tokenmill.jobs.cli"]
+    assert not result["heavy"], heavy_imports(result)
+
+
+def test_plan_imports_no_heavy_library(tmp_path: Path) -> None:
+    result = probe(["plan", "--model", "qwen2.5-7b", "--hardware", "h100-sxm"], tmp_path)
+    assert result["code"] == 0, result["stderr"]
+    assert cli_modules(result) == ["tokenmill.cli", "tokenmill.plan.cli"]
+    assert not result["heavy"], heavy_imports(result)
+
+
+def test_a_job_against_an_endpoint_imports_no_heavy_library(tmp_path: Path) -> None:
+    from .jobs.stub_server import StubServer
+
+    rows = [{"custom_id": f"r-{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"messages": [{"role": "user", "content": f"doc {i}"}]}} for i in range(10)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with StubServer() as stub:
+        result = probe(["run", "in.jsonl", "-o", "out", "--endpoint", stub.url, "--max-tokens", "4",
+                        "--no-progress"], tmp_path)
+    assert result["code"] == 0, result["stderr"]
+    assert len((tmp_path / "out" / "results.jsonl").read_text().splitlines()) == 10
+    assert not result["heavy"], heavy_imports(result)
+
+
+def test_the_engine_exports_and_flags_load_without_torch(tmp_path: Path) -> None:
+    """What commands read to build their flags and defaults: the engine's settings, the sampling
+    defaults, the grammar check (llguidance loads when a grammar is checked, not before)."""
+    code = ("import sys, tokenmill, tokenmill.engine.args\n"
+            "from tokenmill.engine import DEFAULT_MAX_TOKENS, EngineConfig, SamplingParams, StructuredOutputsParams\n"
+            "EngineConfig(dtype='bfloat16'); SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)\n"
+            "StructuredOutputsParams(choice=['a', 'b'])\n"
+            f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_engine_exports_load_on_first_use() -> None:
+    import tokenmill
+    import tokenmill.engine as engine
+
+    assert set(engine._EXPORTS) == set(engine.__all__)
+    for name, home in engine._EXPORTS.items():
+        assert getattr(engine, name) is getattr(importlib.import_module(f"tokenmill.engine.{home}"), name)
+    assert callable(engine.perplexity) and engine.Perplexity.__module__ == "tokenmill.engine.perplexity"
+    shared = set(tokenmill.__all__) & set(engine.__all__)
+    assert all(getattr(tokenmill, name) is getattr(engine, name) for name in shared)
+    with pytest.raises(AttributeError):
+        _ = engine.NotAnExport

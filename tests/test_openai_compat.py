@@ -12,9 +12,12 @@ from tokenmill.engine.sequence import RequestTimings
 from tokenmill.openai_compat import (
     CHAT_URL,
     COMPLETIONS_URL,
+    OpenAIRequest,
     RequestError,
-    check_request,
+    check_prompt_size,
+    check_structured_outputs,
     engine_inputs,
+    parse_request,
     response_body,
     sampling_params,
     structured_outputs,
@@ -38,18 +41,19 @@ def test_body_fields_become_sampling_params() -> None:
     assert sampling_params({}).max_tokens == DEFAULT_MAX_TOKENS
     assert sampling_params({}).temperature == 1.0  # OpenAI's default
     developer = {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]}
-    check_request(CHAT_URL, developer)  # OpenAI's newer name for the system role
+    parsed = parse_request(CHAT_URL, developer)  # OpenAI's newer name for the system role
+    assert parsed.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
 
 
 @pytest.mark.parametrize(("body", "param", "words"), [
-    ({"n": 2}, "n", "body.n = 2: the embedded engine returns one choice per request"),
+    ({"n": 2}, "n", "body.n = 2: tokenmill returns one choice per request"),
     ({"n": 0}, "n", "body.n must be >= 1, got 0"),
-    ({"tools": [{"type": "function"}]}, "tools", "body.tools is not supported"),
+    ({"tools": [{"type": "function"}]}, "tools", "body.tools is not supported by tokenmill"),
     ({"logprobs": True}, "logprobs", "body.logprobs is not supported"),
     ({"top_p": 2}, "top_p", "body.top_p must be in (0, 1]"),
     ({"max_tokens": 4, "min_tokens": 9}, "min_tokens", "body.min_tokens must be in [0, max_tokens=4]"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages",
-     "body.messages[0]: only text content parts"),
+     "body.messages[0]: only text content parts are supported by tokenmill"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages",
      "body.messages[0].role must be one of system, developer, user, assistant"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages", "body.messages[0].content must be a string"),
@@ -67,8 +71,45 @@ def test_body_fields_become_sampling_params() -> None:
 ])
 def test_refusals_name_the_field(body: dict[str, Any], param: str, words: str) -> None:
     with pytest.raises(RequestError) as exc:
-        check_request(CHAT_URL, {**CHAT, **body})
+        parse_request(CHAT_URL, {**CHAT, **body})
     assert exc.value.param == param and words in str(exc.value)
+
+
+def test_a_body_whose_fields_were_checked_is_not_checked_again() -> None:
+    body = {**CHAT, "n": "2"}
+    with pytest.raises(RequestError, match='body.n must be an integer, got "2"'):
+        parse_request(CHAT_URL, body)
+    with pytest.raises(RequestError, match="body.n = 2: tokenmill returns one choice"):  # the rest is checked
+        parse_request(CHAT_URL, body, fields_checked=True)
+    parsed = parse_request(COMPLETIONS_URL, {"prompt": [1, 2], "max_tokens": 3, "guided_regex": "a"},
+                           fields_checked=True)
+    assert (parsed.prompt, parsed.messages, parsed.params.max_tokens) == ([1, 2], None, 3)
+    assert parsed.structured_outputs_field == "guided_regex"
+
+
+def test_only_an_engine_that_checks_before_tokenizing_is_asked_to() -> None:
+    asked: list[Any] = []
+
+    class Checks:
+        def check_prompt_chars(self, num_chars: int) -> None:
+            asked.append(num_chars)
+
+        def check_structured_outputs(self, structured_outputs: StructuredOutputsParams) -> None:
+            raise ValueError("structured_outputs.regex does not compile")
+
+    class Model:
+        def __init__(self, engine: object) -> None:
+            self.engine = engine
+
+    parsed = parse_request(CHAT_URL, {**CHAT, "guided_regex": "("})
+    for model in (Model(object()), Model(Checks())):  # vLLM's engine does both when a request is added
+        check_prompt_size(parsed, model)  # type: ignore[arg-type]
+        check_prompt_size(parse_request(COMPLETIONS_URL, {"prompt": "abc"}), model)  # type: ignore[arg-type]
+    assert asked == [2, 3]
+    check_structured_outputs(parsed, Model(object()))  # type: ignore[arg-type]
+    with pytest.raises(RequestError, match=r"^body.guided_regex does not compile") as exc:
+        check_structured_outputs(parsed, Model(Checks()))  # type: ignore[arg-type]
+    assert exc.value.param == "guided_regex"
 
 
 def test_chat_goes_through_the_template_and_a_broken_one_is_a_request_error() -> None:
@@ -81,13 +122,16 @@ def test_chat_goes_through_the_template_and_a_broken_one_is_a_request_error() ->
             return [len(m["content"]) for m in messages]
 
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "c"}]}]}
-    prompt, _ = engine_inputs(CHAT_URL, parts, Model())  # type: ignore[arg-type]
-    assert prompt == {"prompt_token_ids": [3]}  # text parts joined
+    def inputs(url: str, body: dict[str, Any]) -> Any:
+        return engine_inputs(parse_request(url, body), Model())  # type: ignore[arg-type]
+
+    prompt, params = inputs(CHAT_URL, parts)
+    assert prompt == {"prompt_token_ids": [3]} and params.max_tokens == DEFAULT_MAX_TOKENS  # text parts joined
     with_kwargs = {**parts, "chat_template_kwargs": {"enable_thinking": 7}}
-    assert engine_inputs(CHAT_URL, with_kwargs, Model())[0] == {"prompt_token_ids": [-1, 7]}  # type: ignore[arg-type]
-    assert engine_inputs(COMPLETIONS_URL, {"prompt": "x"}, Model())[0] == "x"  # type: ignore[arg-type]
+    assert inputs(CHAT_URL, with_kwargs)[0] == {"prompt_token_ids": [-1, 7]}
+    assert inputs(COMPLETIONS_URL, {"prompt": "x"})[0] == "x"
     with pytest.raises(RequestError, match="cannot build the prompt") as exc:
-        engine_inputs(CHAT_URL, {"messages": [{"role": "assistant", "content": "x"}]}, Model())  # type: ignore[arg-type]
+        inputs(CHAT_URL, {"messages": [{"role": "assistant", "content": "x"}]})
     assert exc.value.param == "messages"
 
 
@@ -132,7 +176,9 @@ def test_every_structured_output_form(fields: dict[str, Any], expected: Structur
     assert structured_outputs(body) == expected
     assert sampling_params(body).structured_outputs == expected
     assert bool(structured_outputs_fields(body)) == (expected is not None)
-    check_request(CHAT_URL, body)
+    parsed = parse_request(CHAT_URL, body)
+    assert isinstance(parsed, OpenAIRequest) and parsed.params.structured_outputs == expected
+    assert parsed.structured_outputs_field == (structured_outputs_fields(body) or [None])[0]
 
 
 @pytest.mark.parametrize(("fields", "param", "words"), [
@@ -152,7 +198,7 @@ def test_every_structured_output_form(fields: dict[str, Any], expected: Structur
     ({"structured_outputs": {"choice": []}}, "structured_outputs",
      "body.structured_outputs.choice must be a non-empty list of non-empty strings"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs",
-     "body.structured_outputs.structural_tag is not supported by the embedded engine"),
+     "body.structured_outputs.structural_tag is not supported by tokenmill"),
     ({"guided_choice": []}, "guided_choice", "body.guided_choice must be a non-empty list of non-empty strings"),
     ({"guided_choice": ["a", ""]}, "guided_choice", "body.guided_choice must be a non-empty list"),
     ({"guided_choice": "a,b"}, "guided_choice", "body.guided_choice must be a non-empty list"),
@@ -166,7 +212,7 @@ def test_every_structured_output_form(fields: dict[str, Any], expected: Structur
 ])
 def test_structured_output_refusals_name_the_field(fields: dict[str, Any], param: str, words: str) -> None:
     with pytest.raises(RequestError) as exc:
-        check_request(CHAT_URL, {**CHAT, **fields})
+        parse_request(CHAT_URL, {**CHAT, **fields})
     assert exc.value.param == param and words in str(exc.value)
 
 

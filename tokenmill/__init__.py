@@ -1,6 +1,68 @@
-"""tokenmill: throughput-first batch LLM inference."""
+"""tokenmill: throughput-first batch LLM inference.
 
-from tokenmill.engine import LLM, EngineConfig, LLMEngine, RequestOutput, SamplingParams, StructuredOutputsParams
+The Python API, for notebooks and pipelines (README, "Python API"): the offline engine (`LLM`,
+`SamplingParams`), and batch jobs as the command line runs them — a `JobConfig`, a backend spec
+(`EngineConfig`, `VllmConfig`, `EndpointSpec`, `RaySpec`), `build_backend`, `run_job`, and the
+`JobOutcome` it returns.
+"""
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.engine import LLM, EngineConfig, LLMEngine, RequestOutput, SamplingParams, StructuredOutputsParams
+    from tokenmill.jobs.backend_specs import build_backend
+    from tokenmill.jobs.config import JobConfig
+    from tokenmill.jobs.endpoint import EndpointSpec, RetryPolicy
+    from tokenmill.jobs.ray_runner import RayOptions, RaySpec
+    from tokenmill.jobs.runner import run_job
+    from tokenmill.jobs.spec import DocumentOptions
+    from tokenmill.jobs.summary import JobOutcome
+    from tokenmill.vllm_engine.config import VllmConfig
+
+# name -> the module that owns it. Loaded on first use, so `import tokenmill.cli` (every command)
+# imports no torch.
+_EXPORTS = {
+    **dict.fromkeys(["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
+                     "StructuredOutputsParams"], "tokenmill.engine"),
+    "VllmConfig": "tokenmill.vllm_engine.config",
+    "EndpointSpec": "tokenmill.jobs.endpoint",
+    "RaySpec": "tokenmill.jobs.ray_runner",
+    "build_backend": "tokenmill.jobs.backend_specs",
+    "RetryPolicy": "tokenmill.jobs.endpoint",
+    "RayOptions": "tokenmill.jobs.ray_runner",
+    "JobConfig": "tokenmill.jobs.config",
+    "DocumentOptions": "tokenmill.jobs.spec",
+    "run_job": "tokenmill.jobs.runner",
+    "JobOutcome": "tokenmill.jobs.summary",
+}
+__all__ = [
+    "LLM",
+    "DocumentOptions",
+    "EndpointSpec",
+    "EngineConfig",
+    "JobConfig",
+    "JobOutcome",
+    "LLMEngine",
+    "RayOptions",
+    "RaySpec",
+    "RequestOutput",
+    "RetryPolicy",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "VllmConfig",
+    "build_backend",
+    "run_job",
+]
 __version__ = "0.1.0"
+assert set(__all__) == set(_EXPORTS)  # one list, written out for readers and linters
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Collection, Sequence
 from importlib.metadata import version
 
 # subcommand -> (the package that owns it, its one-line help)
@@ -21,20 +22,36 @@ _SUBCOMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_in(argv: Sequence[str]) -> str | None:
+    """The subcommand `argv` runs: its first item that names one (None for `--help`, `--version`, a
+    typo)."""
+    return next((item for item in argv if item in _SUBCOMMANDS), None)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line (`command` None), or one with only `command`'s arguments built: the
+    other subcommands keep their name and help line (for `tokenmill --help` and the invalid-choice
+    error) without importing their packages."""
+    return _parser(_SUBCOMMANDS if command is None else [command])
+
+
+def _parser(built: Collection[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="Throughput-first batch LLM inference")
     parser.add_argument("--version", action="version", version=f"tokenmill {version('tokenmill')}")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (package, help_text) in _SUBCOMMANDS.items():
-        module = importlib.import_module(f"tokenmill.{package}.cli")
         sub = commands.add_parser(name, help=help_text)
-        module.add_arguments(sub)
-        sub.set_defaults(handler=module.run)
+        if name in built:  # the others are never parsed: argv does not name them
+            module = importlib.import_module(f"tokenmill.{package}.cli")
+            module.add_arguments(sub)
+            sub.set_defaults(handler=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = command_in(argv)
+    args = _parser([] if command is None else [command]).parse_args(argv)
     try:
         return int(args.handler(args))
     except (ValueError, FileNotFoundError) as exc:

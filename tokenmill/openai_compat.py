@@ -1,11 +1,14 @@
 """OpenAI request and response bodies ↔ the engine, in one place.
 
 A body (a `tokenmill run` line, a live `/v1/completions` or `/v1/chat/completions` request, a
-Batch API line) becomes a prompt and `SamplingParams`; an engine `RequestOutput` becomes the
-response body with its `usage`. Batch jobs, the server and its Batch API all go through here,
-so one body gets the same answer, and the same refusal naming the same field, on every path.
+Batch API line) is read and checked once, by `parse_request`, into an `OpenAIRequest` (its prompt
+or messages and its `SamplingParams`), which every later step takes; an engine `RequestOutput`
+becomes the response body with its `usage`. Batch jobs, the server and its Batch API all go
+through here, so one body gets the same answer, and the same refusal naming the same field, on
+every path.
 
-To support a new body field: read it in `sampling_params` (or refuse it in `UNSUPPORTED_FIELDS`).
+To support a new body field: check it in `check_fields`, read it in `sampling_params` (or refuse it
+in `UNSUPPORTED_FIELDS`).
 
 A structured output (a JSON schema, JSON mode, a choice, a regex, a grammar) comes from one of
 `STRUCTURED_OUTPUTS_FIELDS`: OpenAI's `response_format` or one of vLLM's extensions, so that
@@ -20,20 +23,21 @@ import math
 import re
 import time
 import uuid
-from dataclasses import fields
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
 from tokenmill.engine import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
-    InProcessModel,
-    Prompt,
-    RequestOutput,
+    ChecksBeforeTokenizing,
     SamplingParams,
     StructuredOutputsParams,
 )
+
+if TYPE_CHECKING:  # names only: their modules load torch, which a body's checks do not need
+    from tokenmill.engine import InProcessModel, Prompt, RequestOutput
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -74,19 +78,35 @@ SEED_RANGE = (-(2**63), 2**64 - 1)  # what a 64-bit generator takes
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # "tool" would need tools
 
 
-def check_request(url: str, body: dict[str, Any]) -> None:
-    """Everything about a body that can be checked without the engine (a prompt too long for the
-    context is the engine's to refuse). Raises RequestError."""
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """What a body asks for, checked (`parse_request`): the prompt (/v1/completions) or the
+    messages (/v1/chat/completions), and how to sample. Later steps take this, never the body."""
+
+    url: str  # CHAT_URL or COMPLETIONS_URL
+    prompt: str | list[int] | None  # a completion's text or token ids; None for a chat
+    messages: list[dict[str, str]] | None  # a chat's messages as plain text (chat_messages); None otherwise
+    template_kwargs: dict[str, Any] | None  # a chat's chat_template_kwargs
+    params: SamplingParams  # with its structured_outputs, if the body asks for one
+    structured_outputs_field: str | None  # the body field that structured output came from (for messages)
+
+
+def parse_request(url: str, body: dict[str, Any], *, fields_checked: bool = False) -> OpenAIRequest:
+    """Everything about a body that can be checked without the engine, checked once (a prompt too
+    long for the context is the engine's to refuse). `fields_checked`: `check_fields` has already
+    passed on this body (jobs/spec.py runs it on every line), so it is not run again. Raises
+    RequestError."""
     for name in UNSUPPORTED_FIELDS:
         if body.get(name) not in (None, False, 0, [], {}):
-            raise RequestError(f"body.{name} is not supported by the embedded engine", name)
-    sampling_params(body)  # every field's type and range (check_fields), and how they combine
+            raise RequestError(f"body.{name} is not supported by tokenmill", name)
+    params = sampling_params(body, fields_checked=fields_checked)  # every field, and how they combine
     n = body.get("n", 1)
     if n != 1:
-        raise RequestError(f"body.n = {n}: the embedded engine returns one choice per request", "n")
+        raise RequestError(f"body.n = {n}: tokenmill returns one choice per request", "n")
+    structured = structured_outputs_fields(body)[0] if params.structured_outputs is not None else None
     if url == CHAT_URL:
-        chat_messages(body["messages"])
-        template_kwargs(body)
+        return OpenAIRequest(url, None, chat_messages(body["messages"]), template_kwargs(body), params, structured)
+    return OpenAIRequest(url, body["prompt"], None, None, params, structured)
 
 
 def template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -161,9 +181,11 @@ def requested_max_tokens(body: dict[str, Any]) -> int:
     return body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
 
 
-def sampling_params(body: dict[str, Any]) -> SamplingParams:
-    """OpenAI (and vLLM's extra) body fields → SamplingParams; RequestError names the body field."""
-    check_fields(body)
+def sampling_params(body: dict[str, Any], *, fields_checked: bool = False) -> SamplingParams:
+    """OpenAI (and vLLM's extra) body fields → SamplingParams; RequestError names the body field.
+    `fields_checked`: `check_fields` has already passed on this body."""
+    if not fields_checked:
+        check_fields(body)
     stop = body.get("stop") or []
     top_k = body.get("top_k", 0)
     structured = structured_outputs(body)
@@ -225,17 +247,18 @@ def structured_outputs(body: dict[str, Any]) -> StructuredOutputsParams | None:
         raise _named(str(exc), name) from None
 
 
-def check_structured_outputs(body: dict[str, Any], llm: InProcessModel) -> None:
-    """Compile the body's structured output for this model (the engine compiles each distinct one
-    once); RequestError naming the field when it does not compile: an invalid schema, a keyword
-    the compiler does not support, a regex or grammar with an error, a compile over the time limit."""
-    setting = structured_outputs(body)
-    if setting is None:
+def check_structured_outputs(request: OpenAIRequest, llm: InProcessModel) -> None:
+    """Compile the request's structured output for this model (the engine compiles each distinct
+    one once); RequestError naming the field when it does not compile: an invalid schema, a keyword
+    the compiler does not support, a regex or grammar with an error, a compile over the time limit.
+    Only an engine that `ChecksBeforeTokenizing` does this here; vLLM refuses it when it is added."""
+    setting = request.params.structured_outputs
+    if setting is None or not isinstance(llm.engine, ChecksBeforeTokenizing):
         return
     try:
         llm.engine.check_structured_outputs(setting)
     except ValueError as exc:
-        raise _named(str(exc), structured_outputs_fields(body)[0]) from None
+        raise _named(str(exc), request.structured_outputs_field or "structured_outputs") from None
 
 
 def structured_outputs_body(setting: StructuredOutputsParams) -> dict[str, Any]:
@@ -279,7 +302,7 @@ def _vllm_structured_outputs(value: Any) -> dict[str, Any]:
                            f"{', '.join(STRUCTURED_OUTPUTS_KINDS)}, got {_show(value)}", "structured_outputs")
     unknown = next((key for key in value if key not in STRUCTURED_OUTPUTS_KINDS), None)
     if unknown is not None:
-        raise RequestError(f"body.structured_outputs.{unknown} is not supported by the embedded engine (it takes "
+        raise RequestError(f"body.structured_outputs.{unknown} is not supported by tokenmill (it takes "
                            f"one of {', '.join(STRUCTURED_OUTPUTS_KINDS)})", "structured_outputs")
     return {key: setting for key, setting in value.items() if setting is not None}
 
@@ -310,8 +333,8 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
-                raise RequestError(f"body.messages[{i}]: only text content parts are supported by the embedded "
-                                   "engine", "messages")
+                raise RequestError(f"body.messages[{i}]: only text content parts are supported by tokenmill",
+                                   "messages")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise RequestError(f"body.messages[{i}].content must be a string or a list of text parts, "
@@ -320,26 +343,29 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
     return plain
 
 
-def check_prompt_size(url: str, body: dict[str, Any], llm: InProcessModel) -> None:
+def check_prompt_size(request: OpenAIRequest, llm: InProcessModel) -> None:
     """Refuse a text prompt too long for the context by its length, without tokenizing it (which
-    takes seconds per megabyte). Token-id prompts are counted as they are, as cheaply, by the engine."""
-    if url == CHAT_URL:
-        llm.engine.check_prompt_chars(sum(len(m["content"]) for m in chat_messages(body["messages"])))
-    elif isinstance(body["prompt"], str):
-        llm.engine.check_prompt_chars(len(body["prompt"]))
+    takes seconds per megabyte), where the engine `ChecksBeforeTokenizing` (vLLM refuses it when it
+    is added). Token-id prompts are counted as they are, as cheaply, by the engine."""
+    if not isinstance(llm.engine, ChecksBeforeTokenizing):
+        return
+    if request.messages is not None:
+        llm.engine.check_prompt_chars(sum(len(m["content"]) for m in request.messages))
+    elif isinstance(request.prompt, str):
+        llm.engine.check_prompt_chars(len(request.prompt))
 
 
-def engine_inputs(url: str, body: dict[str, Any], llm: InProcessModel) -> tuple[Prompt, SamplingParams]:
+def engine_inputs(request: OpenAIRequest, llm: InProcessModel) -> tuple[Prompt, SamplingParams]:
     """The prompt (a chat through the model's own chat template) and the sampling settings."""
-    params = sampling_params(body)
-    check_structured_outputs(body, llm)
-    if url != CHAT_URL:
-        return body["prompt"], params
+    check_structured_outputs(request, llm)
+    if request.messages is None:
+        assert request.prompt is not None
+        return request.prompt, request.params
     try:
-        ids = llm.chat_token_ids(chat_messages(body["messages"]), template_kwargs(body))
+        ids = llm.chat_token_ids(request.messages, request.template_kwargs)
     except (TemplateError, TypeError) as exc:
         raise RequestError(f"cannot build the prompt: {exc}", "messages") from None
-    return {"prompt_token_ids": ids}, params
+    return {"prompt_token_ids": ids}, request.params
 
 
 # ---- responses -----------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ class StubServer:
         self.headers: list[dict[str, str]] = []
         self.inflight = self.max_inflight = 0
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._server = _Server(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = False
         self._server.block_on_close = True  # server_close() waits for slow handlers: nothing outlives a test
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05})
@@ -116,6 +116,12 @@ def _key(body: dict[str, Any]) -> str:
     if "messages" in body:
         return str(body["messages"][-1]["content"])
     return str(body.get("prompt"))
+
+
+class _Server(ThreadingHTTPServer):
+    # socketserver's default listen backlog is 5: a client opening 16+ connections at once has the
+    # rest of its SYNs dropped and retried a second later (TCP's initial retransmit timeout).
+    request_queue_size = 1024
 
 
 def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:

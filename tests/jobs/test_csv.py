@@ -82,7 +82,7 @@ def test_a_header_without_the_prompt_column_refuses_the_whole_file(tmp_path: Pat
 def test_a_csv_job_writes_its_metadata_beside_each_result_and_resumes(tmp_path: Path, echo: EchoBackend) -> None:
     config = JobConfig(input=write_table(tmp_path), output=tmp_path / "out", progress=False,
                        options=DocumentOptions(prompt_column="question", id_column="ticket"))
-    assert run_job(config, echo) == 1  # the bad records failed; the others ran
+    assert run_job(config, echo).status == "failed"  # the bad records failed; the others ran
     out = tmp_path / "out"
     results = {r["custom_id"]: r for r in read_jsonl(out / "results.jsonl")}
     assert {k: r["metadata"] for k, r in results.items()} == {"t1": {"lang": "en"}, "t2": {"lang": "fr"},
@@ -95,7 +95,7 @@ def test_a_csv_job_writes_its_metadata_beside_each_result_and_resumes(tmp_path: 
 
     # A re-run finds everything done (bad records included) and asks the backend for nothing.
     again = EchoBackend()
-    assert run_job(config, again) == 1 and again.served == []
+    assert run_job(config, again).status == "failed" and again.served == []
     assert_exactly_once(out, 7)
 
 

@@ -9,9 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
+from tokenmill.jobs.cli import EXIT_INTERRUPTED, finish
 from tokenmill.jobs.config import JobConfig
 from tokenmill.jobs.embedded import EmbeddedBackend
 from tokenmill.jobs.output import line_of
@@ -47,7 +49,7 @@ def test_batch_job_end_to_end(tmp_path: Path, llm: LLM) -> None:
     path = write_jsonl(tmp_path / "in.jsonl", rows)
     config = JobConfig(input=path, output=tmp_path / "out", options=DocumentOptions(max_tokens=6, temperature=0),
                        progress=False)
-    assert run_job(config, EmbeddedBackend(llm=llm)) == 1
+    assert run_job(config, EmbeddedBackend(llm=llm)).status == "failed"
 
     results = {r["custom_id"]: r for r in read_jsonl(tmp_path / "out/results.jsonl")}
     assert sorted(results) == ["bad", "good", "plain"]
@@ -79,7 +81,7 @@ def test_batch_job_end_to_end(tmp_path: Path, llm: LLM) -> None:
         r["response"]["body"]["usage"]["completion_tokens"] for r in results.values())
 
     # A refused request is a final error: the re-run has nothing to do.
-    assert run_job(config, EmbeddedBackend(llm=llm)) == 1
+    assert run_job(config, EmbeddedBackend(llm=llm)).status == "failed"
     assert_exactly_once(tmp_path / "out", 5)
 
 
@@ -100,7 +102,7 @@ def test_a_prompt_far_too_long_is_refused_at_validation_without_tokenizing(
     path = write_jsonl(tmp_path / "in.jsonl", rows)
     config = JobConfig(input=path, output=tmp_path / "out", progress=False)
     backend = EmbeddedBackend(llm=llm)
-    assert run_job(config, backend) == 1
+    assert run_job(config, backend).status == "failed"
     errors = {e["custom_id"]: e["error"] for e in read_jsonl(tmp_path / "out/errors.jsonl")}
     assert errors.keys() == {"huge", "huge-text"}
     for error in errors.values():
@@ -132,13 +134,15 @@ def test_ctrl_c_finishes_running_requests_drops_the_rest_and_resumes(
     path.write_text("".join(f"Review {i}: it works, mostly.\n" for i in range(10)))
     options = DocumentOptions(system="Label the review.", template="{text}", max_tokens=4, temperature=0)
     config = JobConfig(input=path, output=tmp_path / "out", options=options, progress=False)
-    assert run_job(config, InterruptAfterFirst(llm=llm)) == 130
+    outcome = run_job(config, InterruptAfterFirst(llm=llm))
+    assert outcome.status == "interrupted" and outcome.requests.not_done == 10 - outcome.requests.done
+    assert finish(outcome, Console(stderr=True)) == EXIT_INTERRUPTED  # what `tokenmill run` says and returns
     assert "Re-run the same command to resume" in capsys.readouterr().err
     first = [r["custom_id"] for r in read_jsonl(tmp_path / "out/results.jsonl")]
     assert 1 <= len(first) <= 4  # at most the running batch finished; the queued ones were dropped
     assert not llm.engine.has_unfinished_requests()
 
-    assert run_job(config, EmbeddedBackend(llm=llm)) == 0
+    assert run_job(config, EmbeddedBackend(llm=llm)).status == "done"
     assert_exactly_once(tmp_path / "out", 10)
     assert [r["custom_id"] for r in read_jsonl(tmp_path / "out/results.jsonl")][: len(first)] == first
 
@@ -151,7 +155,7 @@ def test_length_buckets_order_runs_every_request(tmp_path: Path, llm: LLM) -> No
     config = JobConfig(input=path, output=tmp_path / "out", options=DocumentOptions(max_tokens=3, temperature=0),
                        order="length-buckets", progress=False)
     backend = AdmissionSpy(llm=llm)
-    assert run_job(config, backend) == 0
+    assert run_job(config, backend).status == "done"
     assert backend.seen == ["line-2", "line-3", "line-1"]  # biggest first
     assert_exactly_once(tmp_path / "out", 3)
 

@@ -16,7 +16,7 @@ import pytest
 
 from tokenmill.jobs.backend import ResultSink, StopFlag
 from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.endpoint import EndpointBackend, RetryPolicy, parse_retry_after
+from tokenmill.jobs.endpoint import EndpointBackend, EndpointSpec, RetryPolicy, parse_retry_after
 from tokenmill.jobs.output import JobFailed
 from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.spec import BatchRequest, DocumentOptions
@@ -38,8 +38,8 @@ def no_proxies(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def backend(stub: StubServer, **kw) -> EndpointBackend:
     kw.setdefault("retry", FAST_RETRY)
-    kw.setdefault("timeout", 0.5)
-    return EndpointBackend(stub.url, seed=0, **kw)
+    kw.setdefault("timeout_s", 0.5)
+    return EndpointBackend(EndpointSpec(stub.url, **kw), seed=0)
 
 
 def job(tmp_path: Path, contents: list[str], **kw) -> JobConfig:
@@ -52,7 +52,7 @@ def test_transient_failures_are_retried_and_a_400_is_final(tmp_path: Path) -> No
     script = {"rate": ["429"], "boom": ["500", "500"], "slow": ["slow"], "drop": ["drop"], "bad": ["400"]}
     contents = ["plain", "rate", "boom", "slow", "drop", "bad"]
     with StubServer(script, slow_s=1.5) as stub:
-        assert run_job(job(tmp_path, contents), backend(stub)) == 1
+        assert run_job(job(tmp_path, contents), backend(stub)).status == "failed"
     assert stub.attempts == {"plain": 1, "rate": 2, "boom": 3, "slow": 2, "drop": 2, "bad": 1}
     results = {r["custom_id"]: r for r in read_jsonl(tmp_path / "out/results.jsonl")}
     assert sorted(results) == ["r-0", "r-1", "r-2", "r-3", "r-4"]
@@ -70,10 +70,10 @@ def test_transient_failures_are_retried_and_a_400_is_final(tmp_path: Path) -> No
 def test_exhausted_retries_are_tried_again_on_rerun(tmp_path: Path) -> None:
     config = job(tmp_path, ["fine", "down", "bad"])
     with StubServer({"down": ["500"] * 4, "bad": ["400"]}) as stub:
-        assert run_job(config, backend(stub)) == 1
+        assert run_job(config, backend(stub)).status == "failed"
         [error] = [e for e in read_jsonl(tmp_path / "out/errors.jsonl") if e["custom_id"] == "r-1"]
         assert error["error"]["code"] == "server_error" and "gave up after 4 attempt(s)" in error["error"]["message"]
-        assert run_job(config, backend(stub)) == 1  # only the 400 is left failed
+        assert run_job(config, backend(stub)).status == "failed"  # only the 400 is left failed
     assert stub.attempts == {"fine": 1, "down": 5, "bad": 1}
     assert [e["custom_id"] for e in read_jsonl(tmp_path / "out/errors.jsonl")] == ["r-2"]
     assert_exactly_once(tmp_path / "out", 3)
@@ -82,7 +82,7 @@ def test_exhausted_retries_are_tried_again_on_rerun(tmp_path: Path) -> None:
 def test_a_request_is_retried_until_its_time_budget_is_spent(tmp_path: Path) -> None:
     budget = RetryPolicy(retry_for=0.3, base_delay=0.01, max_delay=0.05)  # and no attempt cap
     with StubServer({"down": ["500"] * 1000}) as stub:
-        assert run_job(job(tmp_path, ["fine", "down"]), backend(stub, retry=budget)) == 1
+        assert run_job(job(tmp_path, ["fine", "down"]), backend(stub, retry=budget)).status == "failed"
     [error] = read_jsonl(tmp_path / "out/errors.jsonl")
     assert error["custom_id"] == "r-1" and error["error"]["code"] == "server_error"
     assert "gave up after" in error["error"]["message"]
@@ -95,8 +95,8 @@ def test_an_outage_mid_job_is_waited_out_with_a_few_probes(tmp_path: Path) -> No
     workers (each loses the attempt it had in flight, no more), probes, and the job finishes."""
     n, concurrency = 48, 8
     with StubServer(delay=0.02, outage_after=12, outage_s=1.5) as stub:
-        ep = backend(stub, concurrency=concurrency, retry=OUTAGE_RETRY, timeout=5)  # only drops fail
-        assert run_job(job(tmp_path, [f"doc {i}" for i in range(n)]), ep) == 0
+        ep = backend(stub, concurrency=concurrency, retry=OUTAGE_RETRY, timeout_s=5)  # only drops fail
+        assert run_job(job(tmp_path, [f"doc {i}" for i in range(n)]), ep).status == "done"
     assert_exactly_once(tmp_path / "out", n)
     assert read_jsonl(tmp_path / "out/errors.jsonl") == []
     dropped, probes = stub.down_hits["POST"], stub.down_hits["GET"]
@@ -123,7 +123,7 @@ def test_an_endpoint_that_never_comes_back_ends_the_job_resumably(
     assert "ConnectError" in err and "re-run the same command to resume" in err
     assert read_jsonl(config.output / "results.jsonl") == read_jsonl(config.output / "errors.jsonl") == []
     with StubServer() as stub:
-        assert run_job(config, backend(stub)) == 0
+        assert run_job(config, backend(stub)).status == "done"
     assert_exactly_once(config.output, 20)
     assert read_jsonl(config.output / "errors.jsonl") == []
 
@@ -135,7 +135,7 @@ def test_a_stop_wakes_workers_held_by_an_open_breaker(tmp_path: Path) -> None:
         threading.Timer(0.5, stop.request).start()
         start = time.monotonic()
         assert run_job(job(tmp_path, [f"doc {i}" for i in range(10)]), backend(stub, concurrency=4,
-                       retry=OUTAGE_RETRY), stop=stop) == 130
+                       retry=OUTAGE_RETRY), stop=stop).status == "interrupted"
         assert time.monotonic() - start < 3
     assert read_jsonl(tmp_path / "out/errors.jsonl") == []  # held requests are not done, not failed
 
@@ -181,7 +181,7 @@ def test_retry_after_is_honoured_over_the_backoff(tmp_path: Path) -> None:
     slow_backoff = RetryPolicy(max_attempts=3, base_delay=30.0)  # would take 15+ s without Retry-After
     with StubServer({"a": ["429"], "b": ["429-wait"]}) as stub:
         start = time.monotonic()
-        assert run_job(job(tmp_path, ["a", "b"]), backend(stub, retry=slow_backoff)) == 0
+        assert run_job(job(tmp_path, ["a", "b"]), backend(stub, retry=slow_backoff)).status == "done"
         elapsed = time.monotonic() - start
     first, second = stub.times["b"]
     assert second - first >= 0.95 and elapsed < 5
@@ -189,7 +189,7 @@ def test_retry_after_is_honoured_over_the_backoff(tmp_path: Path) -> None:
 
 def test_concurrency_bounds_requests_in_flight(tmp_path: Path) -> None:
     with StubServer(delay=0.1) as stub:
-        assert run_job(job(tmp_path, [f"doc {i}" for i in range(12)]), backend(stub, concurrency=3)) == 0
+        assert run_job(job(tmp_path, [f"doc {i}" for i in range(12)]), backend(stub, concurrency=3)).status == "done"
     assert stub.max_inflight == 3
     assert_exactly_once(tmp_path / "out", 12)
 
@@ -197,8 +197,8 @@ def test_concurrency_bounds_requests_in_flight(tmp_path: Path) -> None:
 def test_model_override_api_key_and_base_url(tmp_path: Path) -> None:
     config = job(tmp_path, ["x"], options=DocumentOptions(model="served-model", temperature=0))
     with StubServer() as stub:
-        ep = EndpointBackend(stub.url.removesuffix("/v1") + "/", api_key="sk-test", timeout=5)
-        assert run_job(config, ep) == 0
+        ep = EndpointBackend(EndpointSpec(stub.url.removesuffix("/v1") + "/", api_key="sk-test", timeout_s=5))
+        assert run_job(config, ep).status == "done"
     assert stub.bodies[0]["model"] == "served-model" and stub.bodies[0]["temperature"] == 0
     assert stub.headers[0]["Authorization"] == "Bearer sk-test"
 

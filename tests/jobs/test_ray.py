@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
-from tokenmill import LLM
+from tokenmill import LLM, EngineConfig
 from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
 from tokenmill.jobs.config import JobConfig
 from tokenmill.jobs.embedded import EmbeddedBackend
-from tokenmill.jobs.endpoint import EndpointBackend, RetryPolicy
+from tokenmill.jobs.endpoint import EndpointBackend, EndpointSpec, RetryPolicy
 from tokenmill.jobs.output import JobFailed, encode_row, line_of
 from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.spec import BatchRequest, DocumentOptions
@@ -66,8 +66,8 @@ class FaultyBackend(EmbeddedBackend):
     of "crash" is about to be handed over, half-way through its batch; "boom" raises like an engine
     bug, every time it reaches the engine."""
 
-    def __init__(self, marker: str, **engine: Any) -> None:
-        super().__init__(None, **engine)
+    def __init__(self, marker: str, weights: LoadedWeights, **engine: Any) -> None:
+        super().__init__(EngineConfig(**engine), weights=weights)
         self.marker = marker  # a file: "crash" has killed a replica once (shared by every process here)
 
     def share_machine(self, share: float) -> None:
@@ -127,7 +127,8 @@ def on_ray(ray_cluster: None, job_input: Path, single: dict[str, Any], smollm_we
     backend = FaultyBackend(str(marker), weights=smollm_weights, num_threads=1, **ENGINE)
     # Batches of 3: the 7 requests left that reach the replicas make 3 blocks for 2 actors.
     ray_backend = RayBackend([backend], RayOptions(replicas=2, batch_size=3, no_progress_timeout_s=300))
-    assert run_job(JobConfig(input=job_input, output=out, options=OPTIONS, progress=False), ray_backend) == 1
+    outcome = run_job(JobConfig(input=job_input, output=out, options=OPTIONS, progress=False), ray_backend)
+    assert outcome.status == "failed"
     return out
 
 
@@ -232,15 +233,17 @@ def test_endpoints_on_ray_keep_the_global_bound_and_stop(ray_cluster: None, tmp_
 
     with GaugedStub(gauge, delay=0.3) as stub:
         threading.Thread(target=stop_after_first_rows, daemon=True).start()
-        share = EndpointBackend(stub.url, concurrency=2, timeout=5, retry=RETRY)  # 4 in all ÷ 2 replicas
+        # 4 in all ÷ 2 replicas
+        share = EndpointBackend(EndpointSpec(stub.url, concurrency=2, timeout_s=5, retry=RETRY))
         options = RayOptions(replicas=2, batch_size=4, no_progress_timeout_s=60)
-        assert run_job(config, RayBackend([share], options), stop=stop) == 130
+        assert run_job(config, RayBackend([share], options), stop=stop).status == "interrupted"
         first = read_jsonl(tmp_path / "out/results.jsonl")
         assert 4 <= len(first) < n and len(first) % 4 == 0  # whole batches only
         summary = json.loads((tmp_path / "out/summary.json").read_text())
         assert summary["interrupted"] and summary["engine"]["replicas"] == 2
         assert 2 <= gauge.max_inflight <= 4  # --concurrency 4 over 2 replicas: never more in flight
-        assert run_job(config, EndpointBackend(stub.url, concurrency=4, timeout=5, retry=RETRY)) == 0
+        alone = EndpointBackend(EndpointSpec(stub.url, concurrency=4, timeout_s=5, retry=RETRY))
+        assert run_job(config, alone).status == "done"
     assert_exactly_once(tmp_path / "out", n)
     assert read_jsonl(tmp_path / "out/results.jsonl")[: len(first)] == first
 
@@ -249,7 +252,8 @@ def test_a_replica_spreads_batches_over_endpoints_and_isolates_a_failure() -> No
     """The actor's code, called directly (no cluster): each batch goes to one of the endpoints, and a
     backend that raises on one request costs that request only."""
     with StubServer() as a, StubServer() as b:
-        replica = Replica([EndpointBackend(s.url, concurrency=2, timeout=5, retry=RETRY) for s in (a, b)])
+        replica = Replica([EndpointBackend(EndpointSpec(s.url, concurrency=2, timeout_s=5, retry=RETRY))
+                           for s in (a, b)])
         for k in range(8):
             ids = [f"b{k}-{i}" for i in range(3)]
             out = replica({"custom_id": ids, "line": [1, 2, 3], "url": ["/v1/completions"] * 3,
@@ -269,7 +273,7 @@ class RaisesOn(EndpointBackend):
     """An endpoint backend with a bug that raises whenever one request's turn comes."""
 
     def __init__(self, bad: str, url: str) -> None:
-        super().__init__(url, concurrency=1, timeout=5, retry=RETRY)
+        super().__init__(EndpointSpec(url, concurrency=1, timeout_s=5, retry=RETRY))
         self.bad = bad
 
     def run(self, requests: Iterator[BatchRequest], sink: ResultSink, stop: StopFlag) -> BackendStats:
@@ -287,8 +291,8 @@ def test_a_cluster_that_cannot_hold_the_replicas_fails_loudly(
 ) -> None:
     path = write_jsonl(tmp_path / "in.jsonl", [batch_line("a", "hello")])
     config = JobConfig(input=path, output=tmp_path / "out", options=DocumentOptions(max_tokens=4), progress=False)
-    unused = EndpointBackend("http://127.0.0.1:9", concurrency=1)  # never reached: no replica can start
-    options = RayOptions(replicas=2, cpus_per_replica=3, no_progress_timeout_s=2)
+    unused = EndpointBackend(EndpointSpec("http://127.0.0.1:9", concurrency=1))  # never reached: no replica can start
+    options = RayOptions(replicas=2, cpus_per_replica=3, batch_size=8, no_progress_timeout_s=2)
     with pytest.raises(JobFailed, match="made no progress for 2 s"):
         run_job(config, RayBackend([unused], options))
     assert "the Ray cluster has 2 CPU(s) now, the 2 replica(s) need 6" in capsys.readouterr().err
@@ -326,9 +330,9 @@ def test_cli_refuses_ray_options_without_ray_and_a_concurrency_below_the_replica
 
 
 def test_replicas_on_one_machine_split_the_kv_memory_budget() -> None:
-    shared = EmbeddedBackend(None)
+    shared = EmbeddedBackend(EngineConfig())
     shared.share_machine(0.25)  # e.g. 1 of a node's 4 CPUs
-    assert shared._engine_config["kv_cache_memory_fraction"] == pytest.approx(0.1)  # 0.4 × 0.25
-    fixed = EmbeddedBackend(None, num_kv_blocks=96)
+    assert shared.spec.kv_cache_memory_fraction == pytest.approx(0.1)  # 0.4 × 0.25
+    fixed = EmbeddedBackend(EngineConfig(num_kv_blocks=96))
     fixed.share_machine(0.25)  # an explicit KV size is the user's: left alone
-    assert "kv_cache_memory_fraction" not in fixed._engine_config
+    assert fixed.spec == EngineConfig(num_kv_blocks=96)

@@ -6,12 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from tokenmill.cli import main
 from tokenmill.jobs.config import JobConfig
 from tokenmill.jobs.output import JobError, encode_row, line_of, result_row
 from tokenmill.jobs.runner import order_entries, run_job
 from tokenmill.jobs.spec import DocumentOptions, Entry
+from tokenmill.jobs.summary import print_summary
 
 from .conftest import EchoBackend, assert_exactly_once, batch_line, read_jsonl, write_jsonl
 
@@ -40,7 +42,7 @@ def config(tmp_path: Path, input_path: Path, **kw) -> JobConfig:
 
 def test_bad_lines_are_recorded_and_the_good_ones_run(tmp_path: Path, echo: EchoBackend) -> None:
     path = mixed_input(tmp_path)
-    assert run_job(config(tmp_path, path), echo) == 1  # some failed
+    assert run_job(config(tmp_path, path), echo).status == "failed"  # some failed
     out = tmp_path / "out"
     assert [r["custom_id"] for r in read_jsonl(out / "results.jsonl")] == ["a", "e"]
     error_rows = read_jsonl(out / "errors.jsonl")
@@ -62,7 +64,7 @@ def test_bad_lines_are_recorded_and_the_good_ones_run(tmp_path: Path, echo: Echo
     # The re-run retries only the transient failure; the final ones and bad lines stay as they are.
     again = EchoBackend()
     again.flaky_failed = {"c"}
-    assert run_job(config(tmp_path, path), again) == 1
+    assert run_job(config(tmp_path, path), again).status == "failed"
     assert again.served == ["c"]
     assert_exactly_once(out, 7)
     assert [r["custom_id"] for r in read_jsonl(out / "results.jsonl")] == ["a", "e", "c"]
@@ -70,7 +72,7 @@ def test_bad_lines_are_recorded_and_the_good_ones_run(tmp_path: Path, echo: Echo
     assert summary["requests"]["done"] == 3 and summary["requests"]["retryable"] == 0
 
     third = EchoBackend()
-    assert run_job(config(tmp_path, path), third) == 1 and third.served == []
+    assert run_job(config(tmp_path, path), third).status == "failed" and third.served == []
     assert_exactly_once(out, 7)
 
 
@@ -86,7 +88,7 @@ def test_resume_after_a_torn_write(tmp_path: Path, echo: EchoBackend, capsys: py
     results = tmp_path / "out/results.jsonl"
     kept = results.read_bytes().splitlines(keepends=True)[:2]
     results.write_bytes(b"".join(kept) + b'{"id": "batch_req_1", "custom_id": "r-2", "resp')  # as if killed
-    assert run_job(config(tmp_path, path), echo) == 0
+    assert run_job(config(tmp_path, path), echo).status == "done"
     assert echo.served == ["r-2", "r-3", "r-4", "r-5"]
     assert_exactly_once(tmp_path / "out", 6)
     err = capsys.readouterr().err
@@ -101,7 +103,7 @@ def test_a_different_job_is_refused(tmp_path: Path, echo: EchoBackend) -> None:
     write_jsonl(path, [batch_line("a", "x"), batch_line("b", "y")])
     with pytest.raises(JobError, match="the input differs"):
         run_job(config(tmp_path, path), echo)
-    assert run_job(config(tmp_path, path, overwrite=True), EchoBackend()) == 0
+    assert run_job(config(tmp_path, path, overwrite=True), EchoBackend()).status == "done"
     assert_exactly_once(tmp_path / "out", 2)
     with pytest.raises(JobError, match="temperature was unset, now 0.5"):  # not "was None"
         run_job(config(tmp_path, path, options=DocumentOptions(max_tokens=4, temperature=0.5)), echo)
@@ -120,15 +122,18 @@ def test_a_signal_after_the_last_row_is_not_an_interruption(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = write_jsonl(tmp_path / "in.jsonl", [batch_line("a", "x"), batch_line("b", "y")])
-    assert run_job(config(tmp_path, path), SignalAfterLastRow()) == 0
+    assert run_job(config(tmp_path, path), SignalAfterLastRow()).status == "done"
     assert "Re-run" not in capsys.readouterr().err
     assert json.loads((tmp_path / "out/summary.json").read_text())["interrupted"] is False
 
 
 def test_cost_in_the_summary(tmp_path: Path, echo: EchoBackend, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_jsonl(tmp_path / "in.jsonl", [batch_line(f"r-{i}", "x") for i in range(3)])
-    run_job(config(tmp_path, path, price_per_hour=2.0), echo)
+    outcome = run_job(config(tmp_path, path, price_per_hour=2.0), echo)
+    assert capsys.readouterr().out == ""  # printing is the caller's (the server runs jobs too)
     summary = json.loads((tmp_path / "out/summary.json").read_text())
+    assert summary == outcome.to_json()
+    print_summary(outcome, Console())
     rate, cost = summary["throughput"]["output_tok_s"], summary["cost"]
     assert summary["tokens"]["completion"] == 12 and rate > 0
     assert cost["usd_per_million_output_tokens"] == pytest.approx(2.0 / (rate * 3600) * 1e6, rel=1e-3)

@@ -185,10 +185,10 @@ def test_embedded_backend_rules_are_checked_up_front(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "in.jsonl", rows)
     backend = EmbeddedBackend(load_to_check=False)  # the body rules alone: no model loaded
     assert errors_of(path, check=backend.check) == [
-        "line 2: body.n = 2: the embedded engine returns one choice per request",
-        "line 3: body.tools is not supported by the embedded engine",
+        "line 2: body.n = 2: tokenmill returns one choice per request",
+        "line 3: body.tools is not supported by tokenmill",
         "line 4: body.top_p must be in (0, 1], got 2",
-        "line 5: body.messages[0]: only text content parts are supported by the embedded engine",
+        "line 5: body.messages[0]: only text content parts are supported by tokenmill",
     ]
 
 

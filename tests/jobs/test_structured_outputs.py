@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from rich.console import Console
 
 from tokenmill import LLM
 from tokenmill.cli import main
@@ -18,6 +19,7 @@ from tokenmill.jobs.embedded import EmbeddedBackend
 from tokenmill.jobs.output import JobError
 from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.spec import DocumentOptions, read_input
+from tokenmill.jobs.summary import print_summary
 from tokenmill.models.loader import LoadedWeights
 from tokenmill.openai_compat import structured_outputs, structured_outputs_body
 
@@ -105,16 +107,16 @@ def test_a_changed_setting_is_a_different_job(tmp_path: Path) -> None:
     def job(options: DocumentOptions, overwrite: bool = False) -> JobConfig:
         return JobConfig(input=path, output=tmp_path / "out", options=options, progress=False, overwrite=overwrite)
 
-    assert run_job(job(DocumentOptions()), EchoBackend()) == 0
+    assert run_job(job(DocumentOptions()), EchoBackend()).status == "done"
     record = json.loads((tmp_path / "out/job.json").read_text())
     assert "structured_outputs" not in record["settings"]  # so jobs from before the option still resume
     with pytest.raises(JobError, match="structured_outputs was unset, now"):
         run_job(job(fill(StructuredOutputsParams(json=SCHEMA))), EchoBackend())
-    assert run_job(job(fill(StructuredOutputsParams(json=SCHEMA)), overwrite=True), EchoBackend()) == 0
+    assert run_job(job(fill(StructuredOutputsParams(json=SCHEMA)), overwrite=True), EchoBackend()).status == "done"
     other = {**SCHEMA, "required": []}
     with pytest.raises(JobError, match=r"structured_outputs was .*'required': \['label'\].* now .*'required': \[\]"):
         run_job(job(fill(StructuredOutputsParams(json=other))), EchoBackend())
-    assert run_job(job(fill(StructuredOutputsParams(json=SCHEMA))), EchoBackend()) == 0  # the same: resumes
+    assert run_job(job(fill(StructuredOutputsParams(json=SCHEMA))), EchoBackend()).status == "done"  # the same: resumes
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +135,7 @@ def test_documents_get_the_schema_and_every_answer_validates(tmp_path: Path, llm
     ])
     options = fill(StructuredOutputsParams(json=SCHEMA), system=SYSTEM, max_tokens=24, temperature=0)
     assert run_job(JobConfig(input=documents, output=tmp_path / "out", options=options, progress=False),
-                   EmbeddedBackend(llm=llm)) == 0
+                   EmbeddedBackend(llm=llm)).status == "done"
     rows = read_jsonl(tmp_path / "out/results.jsonl")
     assert len(rows) == 2
     for row in rows:
@@ -151,7 +153,8 @@ def test_a_bad_row_is_an_error_row_and_cut_answers_are_counted(
         batch_line("free", "x", max_tokens=2, response_format={"type": "text"}),  # cut, but free text
     ])
     config = JobConfig(input=batch, output=tmp_path / "out", options=DocumentOptions(temperature=0), progress=False)
-    assert run_job(config, EmbeddedBackend(llm=llm)) == 1  # the bad row failed
+    outcome = run_job(config, EmbeddedBackend(llm=llm))
+    assert outcome.status == "failed"  # the bad row failed
     results = {r["custom_id"]: r["response"]["body"]["choices"][0] for r in read_jsonl(tmp_path / "out/results.jsonl")}
     assert results["choice"]["message"]["content"] in LABELS
     assert results["cut"]["finish_reason"] == results["free"]["finish_reason"] == "length"
@@ -161,7 +164,9 @@ def test_a_bad_row_is_an_error_row_and_cut_answers_are_counted(
     assert "unclosed group" in error["error"]["message"]
     summary = json.loads((tmp_path / "out/summary.json").read_text())["requests"]
     assert (summary["structured"], summary["structured_cut"]) == (2, 1)
+    print_summary(outcome, Console())
     assert "structured │ 2 request(s) · 1 cut by max_tokens" in capsys.readouterr().out
 
-    assert run_job(config, EmbeddedBackend(llm=llm)) == 1  # resumed: nothing to run, the count still there
+    # resumed: nothing to run, the count still there
+    assert run_job(config, EmbeddedBackend(llm=llm)).status == "failed"
     assert json.loads((tmp_path / "out/summary.json").read_text())["requests"]["structured_cut"] == 1

@@ -12,7 +12,7 @@ import torch
 from tests.models.test_equivalence import _prompts, _tiny_model
 from tests.models.test_quant import needs_kernel
 from tokenmill import LLM, SamplingParams
-from tokenmill.models.llama import CausalLM
+from tokenmill.models.decoder import CausalLM
 from tokenmill.models.loader import load_weights
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill import LLM
+from tests.reference import ReferenceCache
+from tokenmill import LLM, SamplingParams
 from tokenmill.engine import llm_engine
 from tokenmill.models import kernels, packed
 from tokenmill.models.loader import load_weights
@@ -59,6 +60,23 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_llama: Path) -> ReferenceCache:
+    from transformers import AutoModelForCausalLM
+
+    return ReferenceCache(AutoModelForCausalLM.from_pretrained(tiny_llama).eval())
+
+
+PROMPT, MAX_NEW = [5, 6, 7], 8
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+
+
+def _greedy(llm: LLM) -> list[int]:
+    out = llm.generate([{"prompt_token_ids": PROMPT}], GREEDY, progress=False)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == MAX_NEW
+    return out.token_ids
+
+
 def _uses_kernel(llm: LLM) -> bool:
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedLinear)]
     assert layers, "every linear is a PackedLinear on CPU"
@@ -66,18 +84,23 @@ def _uses_kernel(llm: LLM) -> bool:
 
 
 def test_auto_keeps_the_second_weight_copy_only_where_memory_allows(
-    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_llama: Path, tiny_reference: ReferenceCache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     weights = load_weights(str(tiny_llama))
-    assert _uses_kernel(LLM(weights=weights, num_kv_blocks=8))
-    assert not _uses_kernel(LLM(weights=weights, num_kv_blocks=8, small_batch_linear="off"))
+    packed_llm, plain_llm = LLM(weights=weights, num_kv_blocks=8), LLM(weights=weights, num_kv_blocks=8,
+                                                                       small_batch_linear="off")
+    assert _uses_kernel(packed_llm)
+    assert not _uses_kernel(plain_llm)
+    # the packed path's greedy tokens are transformers' (near-ties aside), and the unpacked path's
+    tiny_reference.check(PROMPT, _greedy(packed_llm), "packed linears")
+    tiny_reference.check(PROMPT, _greedy(plain_llm), "plain linears")
     monkeypatch.setattr(llm_engine, "free_memory", lambda device: 1024)  # the copy would not fit
     assert not _uses_kernel(LLM(weights=weights, num_kv_blocks=8))
     assert _uses_kernel(LLM(weights=weights, num_kv_blocks=8, small_batch_linear="kernel"))
 
 
 def test_insisting_on_a_kernel_that_cannot_run_names_the_setting(
-    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_llama: Path, tiny_reference: ReferenceCache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     weights = load_weights(str(tiny_llama))
     monkeypatch.setattr(kernels, "supports", lambda device, dtype: False)  # no compiler, say
@@ -86,4 +109,4 @@ def test_insisting_on_a_kernel_that_cannot_run_names_the_setting(
             LLM(weights=weights, num_kv_blocks=8, **{setting: "kernel"})
     llm = LLM(weights=weights, num_kv_blocks=8)  # "auto" falls back to PyTorch ops
     assert not _uses_kernel(llm) and not llm.engine.runner.paged_kernel
-    assert len(llm.generate([{"prompt_token_ids": [5, 6, 7]}], progress=False)[0].token_ids) > 0
+    tiny_reference.check(PROMPT, _greedy(llm), "PyTorch-ops fallback")  # transformers' greedy tokens

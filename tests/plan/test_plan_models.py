@@ -81,10 +81,21 @@ def test_deepseek_preset_structure() -> None:
     assert m.default_weight_dtype == "fp8"  # the checkpoint ships in fp8
 
 
-def test_every_study_spelling_resolves() -> None:
-    for label in ("Qwen2.5 7B", "Phi-4 14B", "Mixtral 8x7B", "Llama 4 Scout", "DeepSeek V3",
-                  "Llama 3.1 70B", "Qwen2.5 72B", "Qwen2.5 72B Instruct"):
-        assert preset(label).name in PRESET_CONFIGS
+@pytest.mark.parametrize(("label", "name"), [
+    ("Qwen2.5 7B", "qwen2.5-7b-instruct"),
+    ("Phi-4 14B", "phi-4"),
+    ("Mixtral 8x7B", "mixtral-8x7b-instruct"),
+    ("Llama 4 Scout", "llama-4-scout-17b-16e-instruct"),
+    ("DeepSeek V3", "deepseek-v3"),
+    ("Llama 3.1 70B", "llama-3.1-70b-instruct"),
+    ("Qwen2.5 72B", "qwen2.5-72b-instruct"),
+    ("Qwen2.5 72B Instruct", "qwen2.5-72b-instruct"),
+])
+def test_every_study_spelling_resolves_to_its_model(label: str, name: str) -> None:
+    # the model the study names, not merely some preset: the spec carries that checkpoint's config
+    m = preset(label)
+    assert m.name == name
+    assert param_counts(m).total == param_counts(preset(name)).total
 
 
 def test_unknown_preset_names_the_field_and_lists_known() -> None:

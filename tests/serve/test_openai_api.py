@@ -331,13 +331,40 @@ def test_vllm_named_metrics_move_with_the_tokenmill_ones(server: Running, client
     assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
 
 
-def test_metrics(server: Running) -> None:
+def test_metrics(server: Running, client: openai.OpenAI) -> None:
+    """Every tokenmill series is there, and each moves by exactly what the requests made imply."""
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("tokenmill_num_requests_running", "tokenmill_num_requests_waiting", "tokenmill_kv_cache_usage_ratio",
                  "tokenmill_prefix_cache_queries_total", "tokenmill_prefix_cache_hits_total",
                  "tokenmill_prompt_tokens_total", "tokenmill_generation_tokens_total",
                  "tokenmill_num_preemptions_total"):
         assert re.search(rf"^{name} ", text, re.MULTILINE), name
-    for histogram in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
-        assert metric(server, f"tokenmill_{histogram}_seconds_count") > 0
-    assert metric(server, "tokenmill_prefix_cache_hits_total") > 0
+
+    before = scrape(server)
+    # Twice the same prompt (the second from the prefix cache), 3 tokens each to "length"; then one
+    # that any token ends ("stop" at its first token).
+    long = [client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True}) for _ in range(2)]
+    everything = list(range(server.state.llm.engine.model_config.vocab_size))
+    stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                        extra_body={"stop_token_ids": everything})
+    after = scrape(server)
+
+    def moved(name: str, **labels: str) -> float:
+        key = (name, frozenset(labels.items()))
+        return after[key] - before.get(key, 0.0)
+
+    assert [o.choices[0].finish_reason for o in (*long, stopped)] == ["length", "length", "stop"]
+    assert stopped.usage.completion_tokens == 1
+    usages = [o.usage for o in (*long, stopped)]
+    assert moved("tokenmill_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert moved("tokenmill_generation_tokens_total") == sum(u.completion_tokens for u in usages) == 3 + 3 + 1
+    assert moved("tokenmill_requests_finished_total", finish_reason="length") == 2
+    assert moved("tokenmill_requests_finished_total", finish_reason="stop") == 1
+    assert moved("tokenmill_requests_finished_total", finish_reason="abort") == 0
+    assert moved("tokenmill_time_to_first_token_seconds_count") == 3  # one first token a request
+    assert moved("tokenmill_e2e_request_latency_seconds_count") == 3
+    assert moved("tokenmill_inter_token_latency_seconds_count") == 2 + 2 + 0  # gaps between a request's tokens
+    assert long[1].usage.prompt_tokens_details.cached_tokens >= 16  # the repeat's full blocks were cached
+    assert moved("tokenmill_prefix_cache_hits_total") == sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    assert after[("tokenmill_num_requests_running", frozenset())] == 0

@@ -25,11 +25,15 @@ from tokenmill.models.export import hf_folder_for
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these in .venv-vllm")
 pytestmark = pytest.mark.slow
 
-from tokenmill.vllm_engine import VllmLLM  # noqa: E402  (after the skip: it is only useful with vLLM)
+from tokenmill.cli import build_parser  # noqa: E402
+from tokenmill.vllm_engine import engine_spec  # noqa: E402
+from tokenmill.vllm_engine.engine import VllmLLM  # noqa: E402  (after the skip: it is only useful with vLLM)
 
-# Both engines in fp32 on the same weights, prefix caching off on both, as the comparison asks.
+# Both engines in fp32 on the same weights, prefix caching off on both, as the comparison asks:
+# tokenmill's own flags, which reach vLLM as they reach the embedded engine.
 # enforce_eager: vLLM skips its torch.compile warm-up (minutes here), which these tests do not need.
-VLLM_ARGS = {"dtype": "float32", "max_model_len": 1024, "enable_prefix_caching": False, "enforce_eager": True}
+VLLM_FLAGS = ["--dtype", "float32", "--max-model-len", "1024", "--no-enable-prefix-caching",
+              "--engine-arg", "enforce_eager=true"]
 MAX_NEW = 16
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot",
@@ -43,9 +47,36 @@ def folder(gguf_path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def vllm_llm(folder: str) -> VllmLLM:
-    llm = VllmLLM(VLLM_ARGS, model=folder, max_num_seqs=4)
+    """Built from `tokenmill run`'s flags, as a job builds it."""
+    args = build_parser().parse_args(["run", "in.jsonl", "-o", "out", "--engine", "vllm", "--model", folder,
+                                      "--max-num-seqs", "4", *VLLM_FLAGS])
+    llm = engine_spec(args).load()
+    assert isinstance(llm, VllmLLM)
     yield llm
     llm.engine.close()
+
+
+def test_the_shared_flags_reach_vllms_engine(vllm_llm: VllmLLM) -> None:
+    """--dtype float32 (the embedded engine's default too), --max-model-len, --max-num-seqs and
+    --no-enable-prefix-caching as vLLM's own engine configuration holds them."""
+    config = vllm_llm.engine._engine.vllm_config
+    assert config.model_config.dtype == torch.float32 and config.model_config.max_model_len == 1024
+    assert config.scheduler_config.max_num_seqs == 4 and not config.cache_config.enable_prefix_caching
+    assert vllm_llm.engine.max_num_seqs == 4 and vllm_llm.engine.describe()["vllm_dtype"] == "float32"
+
+
+def test_abort_gives_the_requests_last_output(vllm_llm: VllmLLM) -> None:
+    engine = vllm_llm.engine
+    engine.add_request("Once upon a time", SamplingParams(max_tokens=64, temperature=0, ignore_eos=True),
+                       request_id="long")
+    engine.add_request("Hello", GREEDY, request_id="queued")
+    while not any(o.num_output_tokens for o in engine.step() if o.request_id == "long"):
+        pass
+    out = engine.abort_request("long")
+    assert out is not None and out.finish_reason == "abort" and out.finished and 0 < out.num_output_tokens < 64
+    queued = engine.abort_request("queued")
+    assert queued is not None and queued.finish_reason == "abort"
+    assert engine.abort_request("long") is None and not engine.has_unfinished_requests()
 
 
 def _run(engine, prompts: list[list[int]]) -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
@@ -64,6 +95,7 @@ def test_greedy_output_matches_the_reference_as_the_embedded_engine_does(vllm_ll
     reference = ReferenceCache(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
     embedded = LLM(folder, max_num_seqs=4, max_model_len=1024, enable_prefix_caching=False)
     prompts = [list(embedded.tokenizer.encode(p)) for p in PROMPTS]
+    before = vllm_llm.engine.stats()
     got_vllm = _run(vllm_llm.engine, prompts)
     got_embedded = _run(embedded.engine, prompts)
     same = 0
@@ -73,8 +105,9 @@ def test_greedy_output_matches_the_reference_as_the_embedded_engine_does(vllm_ll
         assert_matches_reference(got_embedded[f"p{i}"], ref, f"embedded prompt {i}")
         same += got_vllm[f"p{i}"] == got_embedded[f"p{i}"]
     print(f"vLLM and the embedded engine gave identical tokens for {same} of {len(prompts)} prompts")
-    stats = vllm_llm.engine.stats()
-    assert stats.prefill_tokens == sum(map(len, prompts)) and stats.decode_tokens == len(prompts) * (MAX_NEW - 1)
+    after = vllm_llm.engine.stats()
+    assert after.prefill_tokens - before.prefill_tokens == sum(map(len, prompts))
+    assert after.decode_tokens - before.decode_tokens == len(prompts) * (MAX_NEW - 1)
 
 
 def test_refusals_name_the_reason_and_the_other_requests_run(vllm_llm: VllmLLM) -> None:
@@ -112,8 +145,7 @@ def _job_command(tmp_path: Path, folder: str) -> tuple[list[str], Path]:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "tokenmill", "run", str(path), "-o", str(out), "--engine", "vllm",
-           "--model", folder, "--max-num-seqs", "4", "--no-progress",
-           *[f"--engine-arg={k}={json.dumps(v)}" for k, v in VLLM_ARGS.items()]]
+           "--model", folder, "--max-num-seqs", "4", "--no-progress", *VLLM_FLAGS]
     return cmd, out
 
 
@@ -144,8 +176,7 @@ def test_bench_measures_both_engines_side_by_side(tmp_path: Path, folder: str) -
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "tokenmill", "bench", "--engine", "embedded,vllm", "--model", folder,
            "--batch-sizes", "1,4", "--input-len", "32", "--output-len", "8", "--runs", "1", "--warmup", "1",
-           "--max-model-len", "1024", "--no-enable-prefix-caching", "--out", str(out),
-           "--engine-arg", "dtype=float32", "--engine-arg", "enforce_eager=true"]
+           "--out", str(out), *VLLM_FLAGS]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     for engine in ("embedded", "vllm"):
@@ -161,7 +192,7 @@ def test_choose_runs_a_vllm_candidate_beside_an_embedded_one(tmp_path: Path, fol
     both with rates, projection and the planner's ceiling; greedy and constrained, so the same labels."""
     examples = Path(__file__).resolve().parents[2] / "examples"
     out = tmp_path / "choose"
-    vllm_flags = " ".join(f"--engine-arg {k}={json.dumps(v)}" for k, v in VLLM_ARGS.items())
+    vllm_flags = " ".join(VLLM_FLAGS)
     cmd = [sys.executable, "-m", "tokenmill", "choose", str(examples / "reviews.jsonl"),
            "--expected", str(examples / "reviews.labels.jsonl"), "-o", str(out), "--no-progress",
            "--scorer", "label", "--min-quality", "0.3", "--sample", "6", "--price-per-hour", "0.1",
@@ -183,3 +214,64 @@ def test_choose_runs_a_vllm_candidate_beside_an_embedded_one(tmp_path: Path, fol
                for name in ("embedded", "vllm")}
     assert answers["embedded"] == answers["vllm"]
     assert by_name["embedded"]["quality"]["mean"] == by_name["vllm"]["quality"]["mean"]
+
+
+def test_serve_engine_vllm_answers_the_openai_client(tmp_path: Path, folder: str) -> None:
+    """`tokenmill serve --engine vllm`: chat and completions (streamed too) through the OpenAI
+    client, the usage counted, and a Batch API job run on the same engine."""
+    import socket
+
+    import httpx
+    from openai import OpenAI
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "tokenmill", "serve", "--engine", "vllm", "--model", folder,
+           "--served-model-name", "m", "--port", str(port), "--state-dir", str(tmp_path / "state"),
+           "--log-level", "warning", *VLLM_FLAGS]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600  # vLLM starts in ~1 minute here
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:] if proc.stderr else ""
+            assert time.monotonic() < deadline, "the server did not come up within 600 s"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        exact = {"ignore_eos": True, "min_tokens": 6}
+        chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Say hello."}],
+                                              max_tokens=6, temperature=0, extra_body=exact)
+        assert chat.choices[0].message.content and chat.usage is not None and chat.usage.completion_tokens == 6
+        whole = client.completions.create(model="m", prompt="The capital of France is", max_tokens=6,
+                                          temperature=0, extra_body=exact)
+        streamed = client.completions.create(model="m", prompt="The capital of France is", max_tokens=6,
+                                             temperature=0, extra_body=exact, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == whole.choices[0].text
+        assert client.models.list().data[0].id == "m"
+
+        lines = [{"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "m", "messages": [{"role": "user", "content": f"Count to {i}."}],
+                           "max_tokens": 4, "temperature": 0, "ignore_eos": True}} for i in range(3)]
+        upload = client.files.create(file=("in.jsonl", "".join(json.dumps(r) + "\n" for r in lines).encode()),
+                                     purpose="batch")
+        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        while batch.status not in ("completed", "failed", "expired", "cancelled"):
+            assert time.monotonic() < deadline + 300, batch.status
+            time.sleep(0.5)
+            batch = client.batches.retrieve(batch.id)
+        assert batch.status == "completed" and batch.request_counts is not None
+        assert batch.request_counts.completed == 3 and batch.output_file_id is not None
+        rows = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+        assert sorted(r["custom_id"] for r in rows) == ["b0", "b1", "b2"]
+        assert all(r["response"]["body"]["usage"]["completion_tokens"] == 4 for r in rows)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)

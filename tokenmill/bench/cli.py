@@ -9,11 +9,12 @@ from typing import Any
 
 from tokenmill.bench.runner import SweepConfig, run_sweep
 from tokenmill.bench.workloads import DISTRIBUTIONS, LengthSpec, Workload
-from tokenmill.engine.args import add_engine_arguments, engine_kwargs
+from tokenmill.engine import EngineSpec
+from tokenmill.engine.args import add_engine_arguments
 from tokenmill.environment import CLIENT_API_KEY_ENV, client_api_key
 from tokenmill.plan.price import FLAG_HELP as PRICE_HELP
 from tokenmill.plan.price import hourly_price_arg
-from tokenmill.vllm_engine import add_engine_choice, check_engine_flags, vllm_engine_args
+from tokenmill.vllm_engine import add_engine_choice, engine_spec
 
 # The protocol of the published batch-throughput study (docs/bench.md, batch-study.md).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -68,16 +69,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.files:
         raise ValueError(f"bench: unexpected arguments {[str(f) for f in args.files]} (did you mean compare?)")
-    check_engine_flags(args)
     if args.endpoint and args.engine != ["embedded"]:
         raise ValueError("bench: --engine measures engines in this process; --endpoint measures a server: give one")
     workload, cfg = resolve(args)
+    specs = {engine: engine_spec(args, engine, max_num_seqs=max(cfg.batch_sizes)) for engine in args.engine}
     from tokenmill.bench.report import terminal, to_json, write_all
 
     files = []
     for engine in args.engine:  # one after another, each freed before the next loads
         out = args.out / engine if len(args.engine) > 1 else args.out
-        target = build_target(args, max(cfg.batch_sizes), engine)
+        target = endpoint_target(args) if args.endpoint else engine_target(specs[engine])
         try:
             result = run_sweep(target, workload, cfg, log=lambda m: print(m, file=sys.stderr))
         finally:
@@ -118,25 +119,24 @@ def resolve(args: argparse.Namespace) -> tuple[Workload, SweepConfig]:
     return workload, cfg
 
 
-def build_target(args: argparse.Namespace, max_batch: int, engine: str = "embedded") -> Any:
-    if args.endpoint:
-        from tokenmill.bench.endpoint import EndpointTarget
+def endpoint_target(args: argparse.Namespace) -> Any:
+    from tokenmill.bench.endpoint import EndpointTarget
 
-        return EndpointTarget(args.endpoint, load_tokenizer(args.tokenizer), args.endpoint_model,
-                              client_api_key(args.api_key), args.plain_openai)
+    return EndpointTarget(args.endpoint, load_tokenizer(args.tokenizer), args.endpoint_model,
+                          client_api_key(args.api_key), args.plain_openai)
+
+
+def engine_target(spec: EngineSpec) -> Any:
+    """The engine `spec` asks for, loaded, as a bench target labelled by model and engine (and the
+    embedded engine's weight format when it is not the default: fp32 and q4 runs are compared)."""
     from tokenmill.bench.embedded import EmbeddedTarget
-    from tokenmill.engine import LLM
+    from tokenmill.engines import load_engine
     from tokenmill.environment import embedded_model_path
 
-    name = args.model or embedded_model_path().stem
-    if engine == "vllm":
-        from tokenmill.vllm_engine import VllmLLM
-
-        vllm = VllmLLM(vllm_engine_args(args), **engine_kwargs(args), max_num_seqs=max_batch)
-        return EmbeddedTarget(vllm, f"{name} (vllm)", kind="vllm")
-    llm = LLM(**engine_kwargs(args), max_num_seqs=max_batch)
-    weights = llm.engine.weight_format  # named when not the default: fp32 and q4 runs are compared
-    return EmbeddedTarget(llm, f"{name} (embedded)" if weights == "auto" else f"{name} (embedded, {weights})")
+    llm = load_engine(spec)
+    label = f"{spec.model or embedded_model_path().stem} ({spec.engine}"
+    weights = llm.engine.describe().get("weight_format_resolved", "auto")
+    return EmbeddedTarget(llm, label + (")" if weights == "auto" else f", {weights})"), kind=spec.engine)
 
 
 def load_tokenizer(source: str | None) -> Any:

@@ -9,7 +9,6 @@ each time a request's output grows, which gives TTFT and every inter-token gap.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from typing import Any
 
 from tokenmill.bench.metrics import RequestRecord
@@ -30,15 +29,11 @@ class EmbeddedTarget:
         return self.llm.tokenizer
 
     def describe(self) -> dict[str, Any]:
-        settings = asdict(self.engine.config)
-        settings["max_model_len_resolved"] = self.engine.max_model_len
-        settings["num_kv_blocks"] = self.engine.num_kv_blocks
-        settings |= {f"vllm_{k}": v for k, v in getattr(self.engine, "engine_args", {}).items()}
-        return {"kind": self.kind, "model": self.label, "engine": settings}
+        return {"kind": self.kind, "model": self.label, "engine": self.engine.describe()}
 
     def close(self) -> None:
         """Free the engine before another loads (vLLM's runs in a process of its own)."""
-        getattr(self.engine, "close", lambda: None)()
+        self.engine.close()
 
     def run(self, requests: list[Request], batch_size: int) -> RunOutcome:
         engine = self.engine

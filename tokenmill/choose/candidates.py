@@ -1,9 +1,10 @@
 """A candidate is a name and the `tokenmill run` flags it runs the sample with.
 
 `--candidate 'local-choice=--choice positive,negative,mixed --price-per-hour 0.10'`: the flags are
-parsed by `tokenmill run`'s own parser, so every engine, endpoint, structured-output and request
-flag works as it does there, and nothing is written twice. Two flags of its own price a hosted API
-by the token: `--price-per-m-input` and `--price-per-m-output`.
+parsed once, by `tokenmill run`'s own parser (jobs/flags.py), into the candidate's job settings and
+backend spec, so every engine, endpoint, structured-output and request flag works as it does
+there, and nothing is written twice. Two flags of its own price a hosted API by the token:
+`--price-per-m-input` and `--price-per-m-output`.
 """
 
 from __future__ import annotations
@@ -11,19 +12,22 @@ from __future__ import annotations
 import argparse
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NoReturn
 
 from tokenmill.choose.results import Price
-from tokenmill.jobs import cli as run_cli
-from tokenmill.jobs.backend import Backend
+from tokenmill.jobs import flags as run_flags
+from tokenmill.jobs.backend_specs import BackendSpec
 from tokenmill.jobs.config import JobConfig
+from tokenmill.jobs.ray_runner import RaySpec
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # `choose` decides these for every candidate: its sample, its folder, and starting afresh.
 RESERVED = ("-o", "--output", "--errors", "--overwrite", "--input-format", "--strict", "--prompt-column",
             "--id-column")
+# Stand-ins for the paths choose decides (RESERVED): the parser needs an input and an output.
+_SAMPLE, _FOLDER = Path("sample.jsonl"), Path("candidate")
 
 
 class CandidateError(ValueError):
@@ -36,34 +40,28 @@ class Candidate:
     flags: tuple[str, ...]  # its own flags, after the --flags every candidate shares
     common: tuple[str, ...]
     price: Price
+    job: JobConfig  # its job's settings, on stand-in paths (`job_config` puts in the real ones)
+    backend: BackendSpec
 
     @property
     def flags_text(self) -> str:
         return shlex.join([*self.common, *self.flags])
 
-    def run_args(self, sample: Path, output: Path, progress: bool = True) -> argparse.Namespace:
-        """The parsed `tokenmill run` command line for this candidate's job."""
-        argv = [str(sample), "-o", str(output), *self.common, *self.flags]
-        if not progress:
-            argv.append("--no-progress")
-        return _parser(self.name).parse_args(argv)
-
     def job_config(self, sample: Path, output: Path, progress: bool = True) -> JobConfig:
-        """Its job, as `tokenmill run` would build it from these flags, at the candidate's price."""
-        config = run_cli.job_config(self.run_args(sample, output, progress))
-        return JobConfig(**{**vars(config), "price_per_hour": self.price.per_hour})
-
-    def backend(self, sample: Path, output: Path) -> Backend:
-        """Its backend (loading a model waits for the backend's `start`, or its first `check`)."""
-        return run_cli.make_backend(self.run_args(sample, output))
+        """Its job on `sample`, in `output`, at the candidate's price."""
+        return replace(self.job, input=sample, output=output, price_per_hour=self.price.per_hour,
+                       progress=progress and self.job.progress)
 
     def model(self) -> str | None:
         """The --model it names (None: the embedded default)."""
-        return self.run_args(Path("sample.jsonl"), Path("out")).model
+        spec = self.backend
+        if isinstance(spec, RaySpec):
+            spec = spec.replica[0] if isinstance(spec.replica, tuple) else spec.replica
+        return spec.model
 
 
 def parse_candidate(text: str, common: str = "", default_price_per_hour: float | None = None) -> Candidate:
-    """`NAME=FLAGS` → a Candidate, its flags checked now (before anything runs)."""
+    """`NAME=FLAGS` → a Candidate, its flags parsed and checked now (before anything runs)."""
     name, sep, flags_text = text.partition("=")
     name = name.strip()
     if not sep or not NAME.fullmatch(name):
@@ -77,14 +75,12 @@ def parse_candidate(text: str, common: str = "", default_price_per_hour: float |
         if flag.split("=", 1)[0] in RESERVED:
             raise CandidateError(f"--candidate {name}: {flag.split('=', 1)[0]} is set by choose for every "
                                  "candidate (its sample and its folder under -o)")
-    args = _parser(name).parse_args(["sample.jsonl", "-o", "out", *shared, *flags])
-    price = _price(name, args, default_price_per_hour)
-    candidate = Candidate(name, flags, shared, price)
+    args = _parser(name).parse_args([str(_SAMPLE), "-o", str(_FOLDER), *shared, *flags])
     try:
-        run_cli.job_config(args)  # request flags (--choice, --template, …) checked before any run
-    except ValueError as exc:
+        job, backend = run_flags.parse_job(args)
+    except ValueError as exc:  # request flags (--choice, --template, …) and the backend's, before any run
         raise CandidateError(f"--candidate {name}: {exc}") from None
-    return candidate
+    return Candidate(name, flags, shared, _price(name, args, default_price_per_hour), job, backend)
 
 
 def _price(name: str, args: argparse.Namespace, default_per_hour: float | None) -> Price:
@@ -105,7 +101,7 @@ class _FlagParser(argparse.ArgumentParser):
 
 def _parser(name: str) -> argparse.ArgumentParser:
     parser = _FlagParser(prog=f"--candidate {name}", add_help=False)
-    run_cli.add_arguments(parser)
+    run_flags.add_arguments(parser)
     prices = parser.add_argument_group("a price by the token (a hosted API), instead of --price-per-hour")
     prices.add_argument("--price-per-m-input", type=float, help="$ per million prompt tokens")
     prices.add_argument("--price-per-m-output", type=float, help="$ per million completion tokens")

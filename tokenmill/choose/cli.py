@@ -18,7 +18,7 @@ from tokenmill.choose.results import CLEAR_BY, DONE
 from tokenmill.choose.runner import ChooseConfig, choose
 from tokenmill.choose.scorers import DEFAULT_SCORER, SCORERS
 from tokenmill.environment import CLIENT_API_KEY_ENV, client_api_key
-from tokenmill.jobs import cli as run_cli
+from tokenmill.jobs import flags as run_flags
 from tokenmill.jobs.spec import FORMATS, DocumentOptions
 from tokenmill.plan.price import FLAG_HELP as PRICE_HELP
 from tokenmill.plan.price import price_per_hour_arg
@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"rows to draw (default {ChooseConfig.sample}; all rows if the job has fewer)")
     add("--seed", type=int, default=ChooseConfig.seed, help=f"the draw's seed (default {ChooseConfig.seed})")
     add("--input-format", choices=FORMATS, default="auto", help="the job's format (default: by suffix and first line)")
-    run_cli.add_csv_column_arguments(parser)
+    run_flags.add_csv_column_arguments(parser)
     add("--price-per-hour", type=price_per_hour_arg,
         help=f"for candidates that give no price of their own: {PRICE_HELP}")
     add("--hardware", help="also show each embedded candidate's ceiling $/M on this hardware (the planner's "

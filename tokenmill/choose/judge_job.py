@@ -16,9 +16,9 @@ from rich.console import Console
 from tokenmill.choose.judge import judge_body, parse_judge_reply
 from tokenmill.choose.scorers import Score
 from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.endpoint import EndpointBackend, RetryPolicy
+from tokenmill.jobs.endpoint import EndpointBackend, EndpointSpec, RetryPolicy
 from tokenmill.jobs.output import JobError, OutputPaths, answer_of, is_final, repair_jsonl
-from tokenmill.jobs.runner import EXIT_INTERRUPTED, run_job
+from tokenmill.jobs.runner import run_job
 from tokenmill.openai_compat import CHAT_URL
 
 JUDGE = "judge"
@@ -60,14 +60,14 @@ def judge_scores(judge: JudgeConfig, name: str, answers: Mapping[str, Answered],
     if changed:
         folder.mkdir(parents=True, exist_ok=True)
         requests.write_bytes(content)
-    backend = EndpointBackend(judge.endpoint, api_key=judge.api_key, concurrency=judge.concurrency,
-                              retry=RetryPolicy(retry_for=judge.retry_for), model=judge.model)
+    backend = EndpointBackend(EndpointSpec(judge.endpoint, judge.model, judge.api_key, judge.concurrency,
+                                           retry=RetryPolicy(retry_for=judge.retry_for)))
     if (down := backend.unreachable()) is not None:
         raise JobError(f"the judge endpoint {judge.endpoint} does not answer ({down}); the candidates' answers "
                        "are kept: re-run once it is up")
     console.print(f"[{name}] judging {len(rows)} answer(s) at {judge.endpoint}", markup=False, highlight=False)
     config = JobConfig(input=requests, output=folder, overwrite=changed, progress=progress)
-    if run_job(config, backend, console) == EXIT_INTERRUPTED:
+    if run_job(config, backend, console).interrupted:
         raise KeyboardInterrupt
     return _read_verdicts(folder, [r["custom_id"] for r in rows])
 

@@ -28,6 +28,7 @@ from tokenmill.choose.sample import JobRows, Sample, prepare_sample, read_job
 from tokenmill.choose.scorers import DEFAULT_SCORER, Score, make_scorer
 from tokenmill.choose.stats import decide, quality
 from tokenmill.cost import MILLION
+from tokenmill.jobs.backend_specs import build_backend
 from tokenmill.jobs.endpoint import EndpointBackend
 from tokenmill.jobs.output import (
     JobError,
@@ -39,8 +40,9 @@ from tokenmill.jobs.output import (
     usage_of,
     write_json_atomic,
 )
-from tokenmill.jobs.runner import EXIT_INTERRUPTED, run_job
+from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.spec import DocumentOptions, read_input
+from tokenmill.jobs.summary import JobOutcome, print_summary
 
 CANDIDATES, RUNS_FILE, CANDIDATE_FILE = "candidates", "runs.jsonl", "candidate.json"
 
@@ -127,34 +129,35 @@ def _run(candidate: Candidate, sample: Sample, config: ChooseConfig, console: Co
         return result
     _say(console, f"\n[{candidate.name}] tokenmill run {candidate.flags_text}")
     try:
-        code = _run_job(candidate, sample, folder, config.progress, result, console)
+        outcome = _run_job(candidate, sample, folder, config.progress, result, console)
     except JobFailed as exc:
         result.status, result.reason = INCOMPLETE, str(exc)
     except (JobError, ValueError, OSError, RuntimeError, ImportError) as exc:  # cannot load, flags changed
         result.status, result.reason = FAILED, f"{type(exc).__name__}: {exc}"
     finally:
         gc.collect()  # the engine's memory goes before the next candidate loads its own
-    if result.status != DONE:
+    if result.status != DONE or outcome is None:
         return result
-    if code == EXIT_INTERRUPTED:  # Ctrl-C / SIGTERM: its rows so far are kept, a re-run resumes
+    if outcome.interrupted:  # Ctrl-C / SIGTERM: its rows so far are kept, a re-run resumes
         raise KeyboardInterrupt
-    _log_run(folder)
+    _log_run(folder, outcome)
     write_json_atomic(folder / CANDIDATE_FILE, {"flags": candidate.flags_text, "backend": result.backend,
                                                 "model": result.model})
     return result
 
 
 def _run_job(candidate: Candidate, sample: Sample, folder: Path, progress: bool, result: CandidateResult,
-             console: Console) -> int:
-    """The job's exit code; FAILED in `result` when its endpoint does not answer (one probe, where
-    the job would keep trying for --retry-for)."""
-    job_config = candidate.job_config(sample.path, folder, progress)
-    backend = candidate.backend(sample.path, folder)
+             console: Console) -> JobOutcome | None:
+    """The job's outcome; None, and FAILED in `result`, when its endpoint does not answer (one probe,
+    where the job would keep trying for --retry-for)."""
+    backend = build_backend(candidate.backend)
     result.backend, result.model = backend.kind, backend.model
     if isinstance(backend, EndpointBackend) and (down := backend.unreachable()) is not None:
         result.status, result.reason = FAILED, f"endpoint down: {down}"
-        return 0
-    return run_job(job_config, backend, console)
+        return None
+    outcome = run_job(candidate.job_config(sample.path, folder, progress), backend, console)
+    print_summary(outcome, console)
+    return outcome
 
 
 def _finished_earlier(candidate: Candidate, folder: Path, ids: list[str]) -> dict[str, Any] | None:
@@ -169,12 +172,13 @@ def _finished_earlier(candidate: Candidate, folder: Path, ids: list[str]) -> dic
     return earlier
 
 
-def _log_run(folder: Path) -> None:
+def _log_run(folder: Path, outcome: JobOutcome) -> None:
     """Keep this run's timing: the job's summary.json holds only the last run's."""
-    summary = json.loads(OutputPaths.from_option(folder).summary.read_text())
-    run = {"rows": summary["requests"]["done_this_run"], "wall_s": summary["time"]["wall_s"],
-           "prompt_tokens": summary["tokens"]["prompt"], "completion_tokens": summary["tokens"]["completion"],
-           **{k: summary["engine"][k] for k in ("prefill_tokens", "prefill_s", "decode_tokens", "decode_s")}}
+    engine = outcome.engine
+    run = {"rows": outcome.requests.done_this_run, "wall_s": outcome.time.wall_s,
+           "prompt_tokens": outcome.tokens.prompt, "completion_tokens": outcome.tokens.completion,
+           "prefill_tokens": engine.prefill_tokens, "prefill_s": engine.prefill_s,
+           "decode_tokens": engine.decode_tokens, "decode_s": engine.decode_s}
     if run["rows"]:
         with (folder / RUNS_FILE).open("a") as f:
             f.write(json.dumps(run) + "\n")
@@ -216,7 +220,7 @@ def _runs(folder: Path) -> Iterator[dict[str, Any]]:
 def _prompts(candidate: Candidate, sample: Sample) -> dict[str, str]:
     """The task each row puts to the model (with the candidate's own system prompt and
     template applied), for the judge."""
-    options = candidate.job_config(sample.path, Path("unused")).options
+    options = candidate.job.options
     spec = read_input(sample.path, options)
     return {r.custom_id: _prompt_text(r.body) for r in spec.requests(spec.entries)}
 

@@ -3,6 +3,11 @@
 `tokenmill generate`, `run`, `serve` and `bench` all build their engine from these flags, so they
 share names, defaults and help, and a new `EngineConfig` field is a new flag in each of them at
 once (tests/engine/test_args.py holds every command to that).
+
+A flag left out parses as None ("not set"), so `engine_settings` returns only what the user
+gave (and what the command itself chose): the embedded engine fills the rest from
+`EngineConfig`'s defaults, vLLM from its own (vllm_engine/config.py), and a flag given
+explicitly always reaches the engine it was given for.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ def add_engine_arguments(
     title: str = "engine settings (EngineConfig)",
 ) -> None:
     """A flag for every `EngineConfig` field but those in `exclude` (which the command decides
-    itself); `defaults` and `help` replace a field's own default and help for this command."""
+    itself); `defaults` (the command's own choices, which count as set) and `help` replace a
+    field's own default and help for this command."""
     defaults, help = defaults or {}, help or {}
     unknown = (set(exclude) | set(defaults) | set(help)) - {f.name for f in fields(EngineConfig)}
     if unknown:
@@ -49,23 +55,25 @@ def add_engine_arguments(
         if f.name in exclude:
             continue
         names.append(f.name)
-        default = defaults.get(f.name, f.default)
+        default = defaults.get(f.name)  # None: not set
+        shown = defaults.get(f.name, f.default)
         text = help.get(f.name, f.metadata["help"])
         kind = _scalar_type(hints[f.name])
         if kind is bool:
             group.add_argument(flag(f.name), dest=f.name, default=default, action=argparse.BooleanOptionalAction,
-                               help=f"{text} (default: {'on' if default else 'off'})")
+                               help=f"{text} (default: {'on' if shown else 'off'})")
         else:
-            shown = "" if default is None else f" (default: {default})"
             group.add_argument(flag(f.name), dest=f.name, default=default, type=kind,
-                               choices=f.metadata["choices"], help=text + shown)
+                               choices=f.metadata["choices"],
+                               help=text + ("" if shown is None else f" (default: {shown})"))
     parser.set_defaults(**{_FIELDS_KEY: tuple(names)})
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The `EngineConfig` fields the command line set (all of those it has flags for), as keyword
-    arguments for `EngineConfig`, `LLM` or `EmbeddedBackend`."""
-    return {name: getattr(args, name) for name in getattr(args, _FIELDS_KEY)}
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The `EngineConfig` fields the command line set (flags given, and the command's own
+    defaults), as keyword arguments for `EngineConfig` or `VllmConfig.from_settings`."""
+    values = {name: getattr(args, name) for name in getattr(args, _FIELDS_KEY)}
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def _scalar_type(hint: Any) -> type:

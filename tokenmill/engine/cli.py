@@ -5,19 +5,22 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenmill.cost import millions_per_usd, usd_per_million
 from tokenmill.engine.args import (
     add_engine_arguments,
     add_structured_output_arguments,
-    engine_kwargs,
+    engine_settings,
     structured_outputs_from_args,
 )
-from tokenmill.engine.llm import LLM
-from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.sampling_params import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, SamplingParams
 from tokenmill.plan.price import FLAG_HELP as PRICE_HELP
 from tokenmill.plan.price import price_per_hour_arg
+
+if TYPE_CHECKING:
+    from tokenmill.engine.outputs import RequestOutput
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,7 +46,9 @@ def run(args: argparse.Namespace) -> int:
     if not prompts:
         raise ValueError("no prompts: pass them as arguments or with --file")
     structured_outputs = structured_outputs_from_args(args)
-    llm = LLM(**engine_kwargs(args))
+    from tokenmill.engine.llm import LLM  # here: `generate --help` loads no torch
+
+    llm = LLM.from_config(EngineConfig(**engine_settings(args)))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
         structured_outputs=structured_outputs,

@@ -7,14 +7,18 @@ command-line flags of every command that builds an engine are generated from the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
+from tokenmill.models.weight_formats import WEIGHT_FORMATS
 
-from tokenmill.models.quant import WEIGHT_FORMATS
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# --dtype: torch dtypes by name. torch is imported only where a dtype or device is needed, so the
+# flags generated from this class cost no torch import.
+DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority", "length")
 DECODE_ATTENTION = ("auto", "kernel", "sdpa")
 SMALL_BATCH_LINEAR = ("auto", "kernel", "off")
@@ -28,10 +32,12 @@ def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) ->
 class EngineConfig:
     """Everything the engine needs to know; `None` means "derive it from the model/machine"."""
 
+    engine: ClassVar[str] = "embedded"
+
     model: str | None = _setting(None, "GGUF file, Hugging Face folder or hub id (default: the embedded SmolLM2)")
     tokenizer: str | None = _setting(None, "tokenizer folder or hub id (default: the model's own)")
     dtype: str = _setting("float32", "weights and activations (fp32 on CPU: no native bf16 GEMM there)",
-                          tuple(_DTYPES))
+                          DTYPES)
     device: str = _setting("auto", "auto (cuda if available, else cpu), cpu or cuda[:N]")
     max_num_seqs: int = _setting(64, "sequences in the running batch at once")
     max_num_batched_tokens: int = _setting(2048, "token budget of one step, prefill and decode together")
@@ -94,6 +100,15 @@ class EngineConfig:
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"EngineConfig.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 
+    # ---- as an EngineSpec (engine/interface.py; loaded by tokenmill/engines.py) ---------------------
+    def for_share_of_machine(self, share: float) -> EngineConfig:
+        """Beside other engines on one machine (Ray replicas), with `share` (0–1] of it: the KV cache
+        takes that part of the memory-fraction budget, instead of each engine taking the whole
+        fraction of the memory free when it starts. A budget given in bytes or blocks stays."""
+        if self.kv_cache_bytes is not None or self.num_kv_blocks is not None:
+            return self
+        return replace(self, kv_cache_memory_fraction=self.kv_cache_memory_fraction * min(1.0, share))
+
     def _check_positive(self, *names: str) -> None:
         for name in names:
             value = getattr(self, name)
@@ -102,10 +117,14 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     def resolved_device(self) -> torch.device:
         """The device to run on; ValueError, before any loading, for a GPU this machine lacks."""
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(self.device)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as SequenceABC
+from dataclasses import asdict
 from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.llm_engine import EngineRequest, LLMEngine, Prompt
+from tokenmill.engine.llm_engine import EngineRequest, LLMEngine
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.prompt import Prompt
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.models.loader import LoadedWeights
 
@@ -40,6 +42,10 @@ class LLM:
         self, model: str | None = None, *, weights: LoadedWeights | None = None, **config: Any
     ) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **config), weights)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, weights: LoadedWeights | None = None) -> LLM:
+        return cls(weights=weights, **asdict(config))
 
     @property
     def tokenizer(self) -> Any:

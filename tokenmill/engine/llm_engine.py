@@ -7,7 +7,6 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +17,7 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.prompt import Prompt, read_prompt
 from tokenmill.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerMetrics, SchedulerStats
 from tokenmill.engine.sequence import RequestTimings, Sequence
@@ -29,7 +29,6 @@ from tokenmill.models.loader import LoadedWeights, load_weights
 
 log = logging.getLogger(__name__)
 
-Prompt = str | list[int] | dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -48,6 +47,8 @@ class EngineRequest:
 
 
 class LLMEngine:
+    name = "embedded"
+
     def __init__(self, config: EngineConfig, weights: LoadedWeights | None = None) -> None:
         """`weights`: already loaded weights to reuse (several engines over one model)."""
         self.config = config
@@ -180,23 +181,14 @@ class LLMEngine:
         return f"req-{next(self._ids)}"
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt_token_ids")
-            self.check_prompt_chars(len(prompt))
-            return prompt, list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, SequenceABC) and all(isinstance(t, int) for t in prompt):
-            return None, [int(t) for t in prompt]
-        raise TypeError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+        text, ids = read_prompt(prompt)
+        if ids is not None:
+            return text, ids
+        assert text is not None
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompt_token_ids")
+        self.check_prompt_chars(len(text))
+        return text, list(self.tokenizer.encode(text))
 
     def process_request(
         self,
@@ -297,6 +289,23 @@ class LLMEngine:
     @property
     def num_kv_blocks(self) -> int:
         return self.block_manager.num_blocks
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
+
+    @property
+    def model(self) -> str | None:
+        return self.config.model
+
+    def describe(self) -> dict[str, Any]:
+        """Every setting, with what was derived from the model and the machine."""
+        return {**dataclasses.asdict(self.config), "max_model_len_resolved": self.max_model_len,
+                "num_kv_blocks": self.num_kv_blocks, "weight_format_resolved": self.weight_format,
+                "device_resolved": str(self.device)}
+
+    def close(self) -> None:
+        """Nothing to stop: the engine lives in this process and goes with its last reference."""
 
     def set_max_num_seqs(self, max_num_seqs: int) -> None:
         """Cap the running batch at or below `config.max_num_seqs` (the KV cache was sized for

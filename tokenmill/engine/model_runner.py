@@ -8,7 +8,8 @@ import torch
 
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import ScheduledSequence
-from tokenmill.models.llama import AttentionGroup, AttentionMetadata, CausalLM
+from tokenmill.models.attention_metadata import AttentionGroup, AttentionMetadata
+from tokenmill.models.decoder import CausalLM
 
 
 @dataclass

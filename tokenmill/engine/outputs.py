@@ -19,7 +19,7 @@ class RequestOutput:
     stop_reason: int | str | None
     num_prompt_tokens: int
     num_cached_tokens: int
-    num_preemptions: int
+    num_preemptions: int | None  # None: the engine counts them only in all (vLLM: `stats()`)
     timings: RequestTimings
     finished: bool
     error: str | None = None  # why the request was refused (finish_reason "error")

@@ -10,11 +10,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # an annotation only: RequestOutput (outputs.py) is read where no torch is loaded
+    import torch
 
 
 class SequenceStatus(enum.Enum):

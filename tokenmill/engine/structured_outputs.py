@@ -19,15 +19,14 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-import llguidance
-import llguidance.hf
-import numpy as np
-import torch
-
 from tokenmill.engine.sampling_params import StructuredOutputsParams
-from tokenmill.models import kernels
 
+# llguidance, numpy and torch are imported where they are used: `check_grammar` runs while flags are
+# read, and the commands that only read flags or call an endpoint never import torch
 if TYPE_CHECKING:
+    import llguidance
+    import numpy as np
+    import torch
     from llguidance._lib import JsonCompileOptions
 
 # Compact JSON, no optional whitespace: an answer takes the fewest tokens and a model cannot spend
@@ -41,6 +40,8 @@ def grammar_text(so: StructuredOutputsParams, tokenizer: Any = None) -> str:
     is its labels' own token sequences: each label costs one step per token, in the spelling the
     model was trained on (any spelling, e.g. "i|n|form|ative" for "inform|ative", costs more steps
     and reads worse to the model)."""
+    import llguidance
+
     kind = so.kind
     if kind == "json":
         return llguidance.LLMatcher.grammar_from_json_schema(so.json, defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
@@ -64,6 +65,8 @@ def check_grammar(so: StructuredOutputsParams) -> None:
         grammar = grammar_text(so)
     except ValueError as exc:
         raise ValueError(_refusal(so, str(exc))) from None
+    import llguidance
+
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise ValueError(_refusal(so, error))
@@ -134,6 +137,8 @@ class GrammarCompiler:
             grammar = grammar_text(so, hf_tokenizer)
         except ValueError as exc:
             return _refusal(so, str(exc))
+        import llguidance
+
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             return _refusal(so, matcher.get_error())
@@ -145,6 +150,8 @@ class GrammarCompiler:
             if self._ll_tokenizer is None:
                 if self._hf_tokenizer is None:
                     raise ValueError("structured_outputs needs the model's tokenizer; this model has none")
+                import llguidance.hf
+
                 try:
                     self._ll_tokenizer = llguidance.hf.from_tokenizer(
                         self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos_token_ids)
@@ -162,7 +169,11 @@ def allowed_tokens_bitmask(matchers: list[tuple[llguidance.LLMatcher, int]], row
     in `matchers` (matcher, row) get their grammar's mask, the others allow everything."""
     global _executor
     if _executor is None:
+        import llguidance
+
         _executor = llguidance.LLExecutor()
+    import numpy as np
+
     bitmask = np.full((rows, (vocab_size + 31) // 32), -1, dtype=np.int32)
     _executor.unsafe_compute_mask_ptr(matchers, bitmask.ctypes.data, bitmask.shape[1] * 4, rows)
     return bitmask
@@ -171,6 +182,10 @@ def allowed_tokens_bitmask(matchers: list[tuple[llguidance.LLMatcher, int]], row
 def apply_bitmask(logits: torch.Tensor, bitmask: np.ndarray) -> None:
     """Set the logits of disallowed tokens to -inf, in place: the C kernel where it built, else numpy
     and PyTorch (benchmarks/structured.py measures both, and llguidance's own helpers)."""
+    import torch
+
+    from tokenmill.models import kernels
+
     rows, vocab = logits.shape
     lib = kernels.library() if logits.dtype == torch.float32 and logits.is_contiguous() else None
     if lib is not None:
@@ -182,6 +197,9 @@ def apply_bitmask(logits: torch.Tensor, bitmask: np.ndarray) -> None:
 
 def apply_bitmask_unpacked(logits: torch.Tensor, bitmask: np.ndarray) -> None:
     """The same with PyTorch and numpy only."""
+    import numpy as np
+    import torch
+
     allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
     disallowed = torch.from_numpy(allowed.view(np.bool_)).logical_not_()
     logits.masked_fill_(disallowed, float("-inf"))

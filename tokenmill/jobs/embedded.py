@@ -1,5 +1,5 @@
 """The in-process backend: the whole job fed to a continuous-batching engine in this process, the
-embedded one or vLLM's (`engine="vllm"`, driven through the same interface: vllm_engine/).
+embedded one or vLLM's (a `VllmConfig` spec, driven through the same interface: vllm_engine/).
 
 A bounded window of requests sits inside the engine (`window_factor` × max_num_seqs, waiting
 plus running) and is topped up as requests finish: the scheduler always has a full batch to
@@ -10,59 +10,60 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
-from tokenmill.engine import LLM, EngineConfig, InProcessModel, RequestOutput, StepEngine
+from tokenmill.engine import EngineConfig, EngineSpec, InProcessModel, RequestOutput, StepEngine
+from tokenmill.engines import load_engine
 from tokenmill.environment import model_name
 from tokenmill.jobs.backend import BackendStats, BackendUnavailable, ResultSink, StopFlag
 from tokenmill.jobs.spec import BatchRequest
-from tokenmill.models.loader import LoadedWeights
 from tokenmill.openai_compat import (
     check_prompt_size,
-    check_request,
     check_structured_outputs,
     engine_inputs,
     response_body,
 )
 
+if TYPE_CHECKING:
+    from tokenmill.models.loader import LoadedWeights
+
 
 class EmbeddedBackend:
     def __init__(
-        self, model: str | None = None, *, llm: InProcessModel | None = None, weights: LoadedWeights | None = None,
-        window_factor: int = 2, load_to_check: bool = True, engine: str = "embedded",
-        vllm_args: dict[str, Any] | None = None, **engine_config: Any,
+        self, spec: EngineSpec | None = None, *, llm: InProcessModel | None = None,
+        weights: LoadedWeights | None = None,
+        window_factor: int = 2, load_to_check: bool = True,
     ) -> None:
-        """`llm`: an engine already built (tests share one model load); else one is built in `start`
-        from `model` and `engine_config` (any EngineConfig field; checked here, before any work), on
-        `weights` when they are already loaded (they travel with the backend to Ray replicas).
+        """`spec`: the engine to load in `start` (the embedded one by default, or vLLM's with a
+        `VllmConfig`), on `weights` when they are already loaded (they travel with the backend
+        to Ray replicas); `llm`: an engine already loaded instead (tests share one model load).
 
         `load_to_check`: `check` loads the engine, so that validation refuses a prompt too long
         for its context (by a length bound, without tokenizing), or a structured output that does
         not compile, before any work. Off on a Ray driver (`check_without_loading`): there a
-        replica's engine refuses it as cheaply.
-
-        `engine="vllm"`: vLLM's engine instead, built with `vllm_args` (vllm.EngineArgs keywords)."""
-        self.kind = engine
-        self._vllm_args = vllm_args or {}
+        replica's engine refuses it as cheaply."""
+        self.spec: EngineSpec = spec or EngineConfig()
         self._llm: InProcessModel | None = llm
         self._weights, self._load_to_check = weights, load_to_check
         self._load_s = 0.0
-        self._engine_config = {"model": model, **engine_config}
-        config = llm.engine.config if llm else EngineConfig(**self._engine_config)
-        self.window = max(1, window_factor * config.max_num_seqs)
-        self.model = model_name(config.model)
+        self.kind = llm.engine.name if llm else self.spec.engine
+        self.model = model_name(llm.engine.model if llm else self.spec.model)
+        # Resized in `start` to the engine's batch (vLLM's default is known once it is loaded).
+        self._window_factor = window_factor
+        max_num_seqs = llm.engine.max_num_seqs if llm else self.spec.max_num_seqs
+        self.window = max(1, window_factor * (max_num_seqs or EngineConfig.max_num_seqs))
 
     # ---- validation (before any work) -------------------------------------------------------
     def check(self, request: BatchRequest) -> None:
-        check_request(request.url, request.body)
+        parsed = request.parsed  # the body's rules, checked once
         if self._load_to_check:
             try:
                 self.start()
             except ValueError as exc:  # e.g. an unsupported model: no line's fault
                 raise BackendUnavailable(str(exc)) from exc
             assert self._llm is not None
-            check_prompt_size(request.url, request.body, self._llm)
-            check_structured_outputs(request.body, self._llm)  # compiled once per distinct setting
+            check_prompt_size(parsed, self._llm)
+            check_structured_outputs(parsed, self._llm)  # compiled once per distinct setting
 
     def check_without_loading(self) -> None:
         self._load_to_check = False
@@ -72,13 +73,9 @@ class EmbeddedBackend:
         """Load the engine (once: `check` may have done it already)."""
         if self._llm is None:
             start = time.monotonic()
-            if self.kind == "vllm":
-                from tokenmill.vllm_engine import VllmLLM
-
-                self._llm = VllmLLM(self._vllm_args, **self._engine_config)
-            else:
-                self._llm = LLM(weights=self._weights, **self._engine_config)
+            self._llm = load_engine(self.spec, self._weights)
             self._load_s = time.monotonic() - start
+            self.window = max(1, self._window_factor * self._llm.engine.max_num_seqs)
 
     def run(self, requests: Iterator[BatchRequest], sink: ResultSink, stop: StopFlag) -> BackendStats:
         assert self._llm is not None, "start() first"
@@ -98,7 +95,7 @@ class EmbeddedBackend:
                 if out.finished and out.request_id in inflight:
                     request = inflight.pop(out.request_id)
                     if out.finish_reason == "error":  # refused inside the engine (vLLM, on submission)
-                        sink.error(request, "invalid_request", out.error or "refused by the engine")
+                        sink.error(request, "invalid_request", out.error or f"refused by the {self.kind} engine")
                     else:
                         sink.result(request, response_body(request.url, out, self.model))
         load_s, self._load_s = self._load_s, 0.0  # counted once, in the run after the load
@@ -110,12 +107,8 @@ class EmbeddedBackend:
 
     def share_machine(self, share: float) -> None:
         """Before `start`: this engine runs beside others on one machine (Ray replicas) and gets
-        `share` (0–1] of it, so its KV cache takes that part of the memory-fraction budget instead
-        of each engine taking the whole fraction of the memory free when it starts."""
-        config = self._engine_config
-        if config.get("kv_cache_bytes") is None and config.get("num_kv_blocks") is None:
-            fraction = config.get("kv_cache_memory_fraction", EngineConfig.kv_cache_memory_fraction)
-            config["kv_cache_memory_fraction"] = fraction * min(1.0, share)
+        `share` (0–1] of it (see `EngineSpec.for_share_of_machine`)."""
+        self.spec = self.spec.for_share_of_machine(share)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Drop these requests from the engine, e.g. after `run` raised half-way through them."""
@@ -131,7 +124,7 @@ class EmbeddedBackend:
             if request is None:
                 return True
             try:
-                prompt, params = engine_inputs(request.url, request.body, self._llm)
+                prompt, params = engine_inputs(request.parsed, self._llm)
                 self._llm.engine.add_request(prompt, params, request.custom_id)
             except (ValueError, TypeError) as exc:  # e.g. longer than the context
                 sink.error(request, "invalid_request", str(exc) if isinstance(exc, ValueError)

@@ -17,7 +17,7 @@ import random
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -96,6 +96,27 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     except (TypeError, ValueError):
         return None
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+@dataclass(frozen=True)
+class EndpointSpec:
+    """An OpenAI-compatible server (vLLM, SGLang, a hosted API, tokenmill serve). `model`: the name
+    sent in every body (None: each row's own)."""
+
+    url: str
+    model: str | None = None
+    api_key: str | None = None
+    concurrency: int = 16  # requests in flight
+    timeout_s: float = 600.0  # per attempt
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"--endpoint must be an http:// or https:// URL, got {self.url!r}")
+        if self.concurrency <= 0:
+            raise ValueError(f"--concurrency must be positive, got {self.concurrency}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"--timeout must be positive, got {self.timeout_s:g}")
 
 
 class Breaker:
@@ -193,19 +214,13 @@ class _Run:
 class EndpointBackend:
     kind = "endpoint"
 
-    def __init__(
-        self, url: str, *, api_key: str | None = None, concurrency: int = 8, timeout: float = 600.0,
-        retry: RetryPolicy | None = None, model: str | None = None, seed: int | None = None,
-    ) -> None:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"--endpoint must be an http:// or https:// URL, got {url!r}")
-        if concurrency <= 0:
-            raise ValueError(f"--concurrency must be positive, got {concurrency}")
-        base = url.rstrip("/")
+    def __init__(self, spec: EndpointSpec, *, seed: int | None = None) -> None:
+        """`seed`: the retry jitter's (tests)."""
+        base = spec.url.rstrip("/")
         self.base_url = base[: -len("/v1")] if base.endswith("/v1") else base  # request urls start with /v1
-        self.api_key, self.concurrency, self.timeout = api_key, concurrency, timeout
-        self.retry = retry or RetryPolicy()
-        self.model = model or "as in each request"
+        self.api_key, self.concurrency, self.timeout = spec.api_key, spec.concurrency, spec.timeout_s
+        self.retry = spec.retry
+        self.model = spec.model or "as in each request"
         self._rng = random.Random(seed)
         self._retries = 0
         # The last run gave up on a dead endpoint: the next starts with one probe, and ends at once

@@ -20,9 +20,10 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
+from tokenmill.engine import EngineConfig
 from tokenmill.jobs.backend import (
     Abortable,
     Backend,
@@ -34,6 +35,10 @@ from tokenmill.jobs.backend import (
 )
 from tokenmill.jobs.output import WORKER_ERROR, JobError, JobFailed
 from tokenmill.jobs.spec import BatchRequest
+from tokenmill.vllm_engine.config import VllmConfig
+
+if TYPE_CHECKING:
+    from tokenmill.jobs.endpoint import EndpointSpec
 
 INSTALL_HINT = "pip install 'tokenmill[ray]'"
 POLL_S = 0.1  # how often the driver looks at Ctrl-C while it waits for rows
@@ -45,7 +50,9 @@ class RayOptions:
     replicas: int = 1  # actors, each with its own engine (or endpoint client)
     cpus_per_replica: float = 1.0
     gpus_per_replica: float = 0.0
-    batch_size: int = 64  # requests per map_batches call: the unit Ray retries after an actor dies
+    # Requests per map_batches call: the unit Ray retries after an actor dies. None: 4 × what keeps
+    # one replica busy (RaySpec.resolved_options).
+    batch_size: int | None = None
     no_progress_timeout_s: float = 1800.0  # fail when no batch moves for this long (must exceed one batch)
 
     def __post_init__(self) -> None:
@@ -53,10 +60,39 @@ class RayOptions:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
         if self.cpus_per_replica <= 0 or self.gpus_per_replica < 0:
             raise ValueError("--cpus-per-replica must be > 0 and --gpus-per-replica >= 0")
-        if self.batch_size < 1:
+        if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"--ray-batch-size must be >= 1, got {self.batch_size}")
         if self.no_progress_timeout_s <= 0:
             raise ValueError(f"--no-progress-timeout must be > 0, got {self.no_progress_timeout_s}")
+
+
+@dataclass(frozen=True)
+class RaySpec:
+    """The job data parallel on Ray: `options.replicas` actors, each running `replica` — one
+    engine, or a client of these endpoints (`concurrency` is the whole job's, shared out)."""
+
+    replica: EngineConfig | VllmConfig | tuple[EndpointSpec, ...]
+    options: RayOptions = field(default_factory=RayOptions)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.replica, tuple):
+            if not self.replica:
+                raise ValueError("--ray with endpoints needs at least one --endpoint")
+            total = self.replica[0].concurrency
+            if total < self.options.replicas:
+                raise ValueError(f"--concurrency {total} is below --replicas {self.options.replicas}: "
+                                 "each replica needs at least one request in flight")
+
+    def resolved_options(self) -> RayOptions:
+        """The options with the batch size decided: 4 × what keeps one replica busy (its engine's
+        batch, or its share of the concurrency) unless given."""
+        if self.options.batch_size is not None:
+            return self.options
+        if isinstance(self.replica, tuple):
+            busy = self.replica[0].concurrency // self.options.replicas
+        else:
+            busy = self.replica.max_num_seqs or EngineConfig.max_num_seqs
+        return replace(self.options, batch_size=4 * busy)
 
 
 class RayBackend:
@@ -69,6 +105,8 @@ class RayBackend:
     def __init__(self, backends: Sequence[Backend], options: RayOptions) -> None:
         if not backends:
             raise ValueError("RayBackend needs at least one backend")
+        if options.batch_size is None:
+            raise ValueError("RayBackend needs options.batch_size (RaySpec resolves it)")
         try:
             import ray.data  # noqa: F401
         except ImportError as exc:

@@ -1,9 +1,10 @@
 """A job from start to end: validate, claim the output, skip what is done, run the rest on a
-backend, write the summary.
+backend, write the summary, return the outcome.
 
-Backends (embedded engine, HTTP endpoint; the contract is in backend.py) only turn requests into
-response bodies and hand them to the `ResultSink`; everything about files, resuming and counting
-lives here and in output.py.
+Backends (embedded engine, HTTP endpoint; the contract is in backend.py, the specs that build
+them in backend_specs.py) only turn requests into response bodies and hand them to the
+`ResultSink`; everything about files, resuming and counting lives here and in output.py. What to
+print at the end, and the exit code, are the caller's (jobs/cli.py).
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ from tokenmill.jobs.config import JobConfig
 from tokenmill.jobs.output import JobError, JsonlAppender, OutputPaths, OutputState, scan_outputs
 from tokenmill.jobs.progress import JobProgress
 from tokenmill.jobs.spec import Entry, InputFile, read_input
-from tokenmill.jobs.summary import Summary, build_summary, print_summary
+from tokenmill.jobs.summary import JobOutcome, build_summary
 
-EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 MAX_LISTED_ERRORS = 20
 
 
@@ -56,11 +56,12 @@ def order_entries(entries: list[Entry], order: str) -> list[Entry]:
 
 def run_job(
     config: JobConfig, backend: Backend, console: Console | None = None, stop: StopFlag | None = None
-) -> int:
-    """Run (or resume) a job; returns the exit code. Raises JobError when it cannot start.
+) -> JobOutcome:
+    """Run (or resume) a job and say what it did. Raises JobError when it cannot start, JobFailed
+    when it started and could not go on (a re-run resumes).
 
-    `stop`: set by the caller to stop the job from another thread (the server's Batch API).
-    """
+    `console`: where progress goes (stderr by default; the server passes a quiet one). `stop`: set
+    by the caller to stop the job from another thread (the server's Batch API)."""
     console = console or Console(stderr=True)
     paths = OutputPaths.from_option(config.output, config.errors)
     spec = read_input(config.input, config.options, config.input_format, backend.check)
@@ -95,10 +96,9 @@ def run_job(
     finally:
         results.close()
         errors.close()
-    summary = build_summary(config, paths, spec, state, sink, stats, wall, backend, interrupted=stop.requested)
-    output.write_json_atomic(paths.summary, summary.to_json())
-    print_summary(summary, Console())
-    return _finish_message(console, summary)
+    outcome = build_summary(config, paths, spec, state, sink, stats, wall, backend, interrupted=stop.requested)
+    output.write_json_atomic(paths.summary, outcome.to_json())
+    return outcome
 
 
 def _check_input(spec: InputFile, config: JobConfig) -> None:
@@ -133,18 +133,3 @@ def _announce(
 
 def _say(console: Console, text: str) -> None:
     console.print(text, markup=False, highlight=False, soft_wrap=True)
-
-
-def _finish_message(console: Console, summary: Summary) -> int:
-    req = summary.requests
-    if summary.interrupted:
-        _say(console, f"interrupted: {req['not_done']} request(s) not done. Re-run the same command to resume; "
-                      f"the {req['done']} result(s) so far are kept in {summary.results_path}")
-        return EXIT_INTERRUPTED
-    if req["retryable"]:
-        _say(console, f"{req['retryable']} request(s) failed after retries (rate limits, server errors, "
-                      "timeouts); re-run the same command to try them again")
-    if req["failed"]:
-        _say(console, f"{req['failed']} request(s) failed: see {summary.errors_path}")
-        return EXIT_FAILED
-    return EXIT_OK

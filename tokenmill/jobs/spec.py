@@ -23,7 +23,7 @@ import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -32,8 +32,10 @@ from tokenmill.openai_compat import (
     CHAT_URL,
     COMPLETIONS_URL,
     SUPPORTED_URLS,
+    OpenAIRequest,
     RequestError,
     check_fields,
+    parse_request,
     requested_max_tokens,
     structured_outputs_fields,
 )
@@ -110,6 +112,12 @@ class BatchRequest:
     def structured(self) -> bool:
         """Asks for a structured output (its answer is cut short, not valid, if it ends by max_tokens)."""
         return bool(structured_outputs_fields(self.body))
+
+    @cached_property
+    def parsed(self) -> OpenAIRequest:
+        """The body read and checked for an in-process engine, once (RequestError if it cannot
+        serve it). Its field types and ranges are not checked again: `_check_body` did that."""
+        return parse_request(self.url, self.body, fields_checked=True)
 
 
 @dataclass(frozen=True)

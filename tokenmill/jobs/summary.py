@@ -1,4 +1,5 @@
-"""The bill at the end of a job: counts, tokens, speeds and cost, as a table and as JSON.
+"""The bill at the end of a job (`JobOutcome`): counts, tokens, speeds and cost, typed, as JSON
+(summary.json) and as a table.
 
 Definitions (also in docs/jobs.md):
 - output tok/s = completion tokens of this run ÷ wall time of this run (model load excluded);
@@ -25,20 +26,94 @@ from tokenmill.jobs.spec import InputFile
 
 
 @dataclass
-class Summary:
+class RequestCounts:
+    """The whole job's rows (total, done, failed, not done) and this run's share of them."""
+
+    total: int
+    done: int
+    failed: int
+    not_done: int
+    invalid_lines: int
+    retryable: int  # failed for a reason a re-run may fix (rate limits, server errors, timeouts)
+    done_this_run: int
+    failed_this_run: int
+    # Asking for a structured output, and of those, answered but ended by max_tokens (finish_reason
+    # "length"): an answer cut short does not follow its schema or grammar.
+    structured: int
+    structured_cut: int
+    # Rows that gave no max_tokens, and the cap they got instead (--max-tokens, or the default).
+    max_tokens_defaulted: int
+    default_max_tokens: int
+
+
+@dataclass
+class TokenCounts:
+    """This run's tokens, as the usage of its responses says."""
+
+    prompt: int
+    cached: int
+    completion: int
+
+
+@dataclass
+class EngineCounts:
+    """This run, as the backend measured it: prefill/decode tokens and seconds and preemptions (an
+    engine), retries (an endpoint), replicas (--ray: engine seconds summed over them)."""
+
+    prefill_tokens: int | None
+    decode_tokens: int | None
+    prefill_s: float | None
+    decode_s: float | None
+    preemptions: int | None
+    retries: int | None
+    replicas: int | None
+
+
+@dataclass
+class Timing:
+    load_s: float
+    wall_s: float
+
+
+@dataclass
+class Throughput:
+    prefill_tok_s: float | None
+    decode_tok_s: float | None
+    output_tok_s: float | None
+    total_tok_s: float | None
+
+
+@dataclass
+class Cost:
+    price_per_hour: float
+    usd_per_million_output_tokens: float | None
+    million_output_tokens_per_usd: float | None
+    job_usd: float | None
+
+
+@dataclass
+class JobOutcome:
+    """What a job did, as `run_job` returns it and summary.json holds it (`to_json`)."""
+
     input_path: str
     results_path: str
     errors_path: str
     backend: str
     model: str
-    interrupted: bool
-    requests: dict[str, int]  # the whole job: total, done, failed, not_done, …; and this run's
-    tokens: dict[str, int]  # this run: prompt, cached, completion
-    engine: dict[str, Any]  # this run: prefill/decode tokens and seconds, preemptions (embedded); retries
-    # (endpoint); replicas (--ray: engine seconds are summed over them)
-    time: dict[str, float]  # load_s, wall_s
-    throughput: dict[str, float | None]  # prefill/decode/output/total tokens per second
-    cost: dict[str, float | None] | None  # with --price-per-hour
+    interrupted: bool  # stopped (Ctrl-C, SIGTERM, a cancel) with rows not done: a re-run resumes
+    requests: RequestCounts
+    tokens: TokenCounts
+    engine: EngineCounts
+    time: Timing
+    throughput: Throughput
+    cost: Cost | None  # with a price per hour
+
+    @property
+    def status(self) -> str:
+        """"interrupted", "failed" (some rows have a final error: see errors_path) or "done"."""
+        if self.interrupted:
+            return "interrupted"
+        return "failed" if self.requests.failed else "done"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,59 +129,51 @@ def build_summary(
     wall: float,
     backend: Backend,
     interrupted: bool,
-) -> Summary:
+) -> JobOutcome:
     valid = {e.custom_id for e in spec.entries}
     done = len(state.done & valid) + sink.done
     failed = len(spec.errors) + len(state.failed & valid) + sink.failed
     structured = [e.custom_id for e in spec.entries if e.structured]
-    requests = {
-        "total": spec.num_lines, "done": done, "failed": failed, "not_done": spec.num_lines - done - failed,
-        "invalid_lines": len(spec.errors), "retryable": sink.transient,
-        "done_this_run": sink.done, "failed_this_run": sink.failed,
-        # Asking for a structured output, and of those, answered but ended by max_tokens (finish_reason
-        # "length"): an answer cut short does not follow its schema or grammar.
-        "structured": len(structured),
-        "structured_cut": sum(1 for custom_id in structured if custom_id in state.ended_by_length)
-        + sink.structured_cut,
-        # Rows that gave no max_tokens, and the cap they got instead (--max-tokens, or the default).
-        "max_tokens_defaulted": sum(1 for e in spec.entries if e.max_tokens_defaulted),
-        "default_max_tokens": config.options.default_max_tokens,
-    }
-    tokens = {"prompt": sink.prompt_tokens, "cached": sink.cached_tokens, "completion": sink.completion_tokens}
-    engine = {
-        "prefill_tokens": stats.prefill_tokens, "decode_tokens": stats.decode_tokens,
-        "prefill_s": _round(stats.prefill_s), "decode_s": _round(stats.decode_s),
-        "preemptions": stats.num_preemptions,
-        "retries": stats.retries,
-        "replicas": stats.replicas,
-    }
+    requests = RequestCounts(
+        total=spec.num_lines, done=done, failed=failed, not_done=spec.num_lines - done - failed,
+        invalid_lines=len(spec.errors), retryable=sink.transient,
+        done_this_run=sink.done, failed_this_run=sink.failed, structured=len(structured),
+        structured_cut=sum(1 for custom_id in structured if custom_id in state.ended_by_length) + sink.structured_cut,
+        max_tokens_defaulted=sum(1 for e in spec.entries if e.max_tokens_defaulted),
+        default_max_tokens=config.options.default_max_tokens,
+    )
+    engine = EngineCounts(
+        prefill_tokens=stats.prefill_tokens, decode_tokens=stats.decode_tokens,
+        prefill_s=_round(stats.prefill_s), decode_s=_round(stats.decode_s),
+        preemptions=stats.num_preemptions, retries=stats.retries, replicas=stats.replicas,
+    )
     output_rate = _rate(sink.completion_tokens, wall)
-    throughput = {
-        "prefill_tok_s": _rate(stats.prefill_tokens, stats.prefill_s),
-        "decode_tok_s": _rate(stats.decode_tokens, stats.decode_s),
-        "output_tok_s": output_rate,
-        "total_tok_s": _rate(sink.prompt_tokens + sink.completion_tokens, wall),
-    }
-    return Summary(
+    throughput = Throughput(
+        prefill_tok_s=_rate(stats.prefill_tokens, stats.prefill_s),
+        decode_tok_s=_rate(stats.decode_tokens, stats.decode_s),
+        output_tok_s=output_rate,
+        total_tok_s=_rate(sink.prompt_tokens + sink.completion_tokens, wall),
+    )
+    return JobOutcome(
         input_path=str(config.input), results_path=str(paths.results), errors_path=str(paths.errors),
         backend=backend.kind, model=backend.model,
-        interrupted=interrupted and requests["not_done"] > 0,  # a signal after the last row stopped nothing
-        requests=requests, tokens=tokens,
-        engine=engine, time={"load_s": round(stats.load_s, 3), "wall_s": round(wall, 3)},
+        interrupted=interrupted and requests.not_done > 0,  # a signal after the last row stopped nothing
+        requests=requests, tokens=TokenCounts(sink.prompt_tokens, sink.cached_tokens, sink.completion_tokens),
+        engine=engine, time=Timing(round(stats.load_s, 3), round(wall, 3)),
         throughput=throughput, cost=_cost(config.price_per_hour, output_rate, wall),
     )
 
 
-def _cost(price_per_hour: float | None, output_rate: float | None, wall: float) -> dict[str, float | None] | None:
+def _cost(price_per_hour: float | None, output_rate: float | None, wall: float) -> Cost | None:
     if price_per_hour is None:
         return None
     rate = output_rate or 0.0
-    return {
-        "price_per_hour": price_per_hour,
-        "usd_per_million_output_tokens": _significant(usd_per_million(price_per_hour, rate)),
-        "million_output_tokens_per_usd": _significant(millions_per_usd(price_per_hour, rate)),
-        "job_usd": _significant(usd_for(price_per_hour, wall)),
-    }
+    return Cost(
+        price_per_hour=price_per_hour,
+        usd_per_million_output_tokens=_significant(usd_per_million(price_per_hour, rate)),
+        million_output_tokens_per_usd=_significant(millions_per_usd(price_per_hour, rate)),
+        job_usd=_significant(usd_for(price_per_hour, wall)),
+    )
 
 
 def _rate(tokens: int | None, seconds: float | None) -> float | None:
@@ -123,40 +190,40 @@ def _round(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def print_summary(summary: Summary, console: Console) -> None:
-    req, tok, eng, thr = summary.requests, summary.tokens, summary.engine, summary.throughput
-    table = Table(title=f"tokenmill run · {summary.backend} · {summary.model}", show_header=False,
+def print_summary(outcome: JobOutcome, console: Console) -> None:
+    req, tok, eng, thr = outcome.requests, outcome.tokens, outcome.engine, outcome.throughput
+    table = Table(title=f"tokenmill run · {outcome.backend} · {outcome.model}", show_header=False,
                   title_justify="left")
     table.add_column(style="bold")
     table.add_column()
-    this_run = f" (this run: {req['done_this_run']} done, {req['failed_this_run']} failed)"
-    table.add_row("requests", f"{req['done']} done · {req['failed']} failed · {req['not_done']} not done "
-                  f"of {req['total']}" + (this_run if req["done_this_run"] != req["done"] else ""))
-    if req["max_tokens_defaulted"]:
-        table.add_row("max_tokens", f"{req['max_tokens_defaulted']:,} row(s) had no max_tokens: capped at "
-                      f"{req['default_max_tokens']} (--max-tokens)")
-    if req["structured"]:
-        table.add_row("structured", f"{req['structured']} request(s) · {req['structured_cut']} cut by max_tokens "
+    this_run = f" (this run: {req.done_this_run} done, {req.failed_this_run} failed)"
+    table.add_row("requests", f"{req.done} done · {req.failed} failed · {req.not_done} not done "
+                  f"of {req.total}" + (this_run if req.done_this_run != req.done else ""))
+    if req.max_tokens_defaulted:
+        table.add_row("max_tokens", f"{req.max_tokens_defaulted:,} row(s) had no max_tokens: capped at "
+                      f"{req.default_max_tokens} (--max-tokens)")
+    if req.structured:
+        table.add_row("structured", f"{req.structured} request(s) · {req.structured_cut} cut by max_tokens "
                       '(finish_reason "length": incomplete)')
-    table.add_row("tokens", f"prompt {tok['prompt']:,} (cached {tok['cached']:,}) · completion {tok['completion']:,}")
-    table.add_row("time", f"wall {summary.time['wall_s']:.1f} s · model load {summary.time['load_s']:.1f} s")
-    if eng["prefill_tokens"] is not None:
-        table.add_row("prefill", _speed(eng["prefill_tokens"], eng["prefill_s"], thr["prefill_tok_s"]))
-        table.add_row("decode", _speed(eng["decode_tokens"], eng["decode_s"], thr["decode_tok_s"]))
-    if eng["retries"] is not None:
-        table.add_row("retries", f"{eng['retries']}")
-    if eng.get("replicas") is not None:
-        per = " (prefill / decode rates are per replica)" if eng["prefill_tokens"] is not None else ""
-        table.add_row("replicas", f"{eng['replicas']} on Ray{per}; output and cost are the whole job's")
-    table.add_row("output", f"{_fmt(thr['output_tok_s'])} tok/s · total {_fmt(thr['total_tok_s'])} tok/s")
-    if summary.cost is not None:
-        c = summary.cost
+    table.add_row("tokens", f"prompt {tok.prompt:,} (cached {tok.cached:,}) · completion {tok.completion:,}")
+    table.add_row("time", f"wall {outcome.time.wall_s:.1f} s · model load {outcome.time.load_s:.1f} s")
+    if eng.prefill_tokens is not None:
+        table.add_row("prefill", _speed(eng.prefill_tokens, eng.prefill_s, thr.prefill_tok_s))
+        table.add_row("decode", _speed(eng.decode_tokens, eng.decode_s, thr.decode_tok_s))
+    if eng.retries is not None:
+        table.add_row("retries", f"{eng.retries}")
+    if eng.replicas is not None:
+        per = " (prefill / decode rates are per replica)" if eng.prefill_tokens is not None else ""
+        table.add_row("replicas", f"{eng.replicas} on Ray{per}; output and cost are the whole job's")
+    table.add_row("output", f"{_fmt(thr.output_tok_s)} tok/s · total {_fmt(thr.total_tok_s)} tok/s")
+    if outcome.cost is not None:
+        c = outcome.cost
         table.add_row(
-            f"cost at ${c['price_per_hour']:g}/h",
-            f"${_fmt(c['usd_per_million_output_tokens'], 2)} per M output tokens · "
-            f"{_fmt(c['million_output_tokens_per_usd'], 2)} M output tokens per $ · this run ${c['job_usd']:.2g}",
+            f"cost at ${c.price_per_hour:g}/h",
+            f"${_fmt(c.usd_per_million_output_tokens, 2)} per M output tokens · "
+            f"{_fmt(c.million_output_tokens_per_usd, 2)} M output tokens per $ · this run ${c.job_usd:.2g}",
         )
-    table.add_row("files", f"{summary.results_path} · {summary.errors_path}")
+    table.add_row("files", f"{outcome.results_path} · {outcome.errors_path}")
     console.print(table)
 
 

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from tokenmill.models.llama import CausalLM, fuse_projections
+from tokenmill.models.decoder import CausalLM, fuse_projections
 from tokenmill.models.loader import LoadedWeights
 from tokenmill.models.moe import stack_experts
 from tokenmill.models.packed import onednn_packing_available, pack_linears

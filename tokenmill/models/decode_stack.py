@@ -20,7 +20,7 @@ from tokenmill.models import kernels
 from tokenmill.models.quant import QuantizedLinear, kernel_available
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
-# A layer is llama.py's DecoderLayer, read by attribute (that module imports this one).
+# A layer is decoder.py's DecoderLayer, read by attribute (that module imports this one).
 Layer = Any
 
 

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from tokenmill.models import kernels
+from tokenmill.models.weight_formats import WEIGHT_FORMATS as WEIGHT_FORMATS  # its old home
 
 BLOCK = 32
-WEIGHT_FORMATS = ("auto", "fp32", "q8", "q4")
 _FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
 _FLOAT = ("F32", "F16", "BF16", "F64")
 # Weights read by a token id, or producing the logits: kept at 8 bits under q4 (as llama.cpp's

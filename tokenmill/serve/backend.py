@@ -15,14 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.engine import LLM, EngineRequest, RequestOutput
+from tokenmill.engine import EngineRequest, InProcessModel, RequestOutput
 from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
 from tokenmill.jobs.spec import BatchRequest
 from tokenmill.openai_compat import (
+    OpenAIRequest,
     RequestError,
-    check_request,
     check_structured_outputs,
     engine_inputs,
+    parse_request,
     response_body,
 )
 from tokenmill.serve.engine_loop import EngineLoop
@@ -42,30 +43,36 @@ class Prepared:
 class ServingBackend:
     kind = "serve"
 
-    def __init__(self, llm: LLM, loop: EngineLoop, model: str, *, batch_id: str = "", endpoint: str = "") -> None:
+    def __init__(self, llm: InProcessModel, loop: EngineLoop, model: str, *, batch_id: str = "",
+                 endpoint: str = "") -> None:
         """`batch_id`, `endpoint`: set for a Batch API job (its lines must all use that endpoint)."""
         self.llm, self.loop, self.model = llm, loop, model
         self.batch_id, self.endpoint = batch_id, endpoint
-        self.window = llm.engine.config.max_num_seqs  # batch requests in the engine at once: a full batch
+        self.window = llm.engine.max_num_seqs  # batch requests in the engine at once: a full batch
         self._tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenmill-tokenize")
 
-    def check(self, request: BatchRequest) -> None:
+    def check(self, request: BatchRequest, parsed: OpenAIRequest | None = None) -> None:
+        """A Batch API line (`request.parsed`: its fields were checked as it was read), or a live
+        request's body as `prepare` parsed it."""
         if self.endpoint and request.url != self.endpoint:
             raise RequestError(f"url {request.url!r} differs from the batch's endpoint {self.endpoint!r}")
         model = request.body.get("model")
         if model is not None and model != self.model:
             raise RequestError(f"body.model {model!r} is not served here (this server serves {self.model!r})",
                                "model")
-        check_request(request.url, request.body)
-        check_structured_outputs(request.body, self.llm)  # a Batch API line's bad schema: refused up front
+        parsed = request.parsed if parsed is None else parsed
+        check_structured_outputs(parsed, self.llm)  # a Batch API line's bad schema: refused up front
 
     # ---- one request ----------------------------------------------------------------------------
-    def prepare(self, request: BatchRequest, priority: int = LIVE_PRIORITY) -> Prepared:
+    def prepare(self, request: BatchRequest, priority: int = LIVE_PRIORITY,
+                parsed: OpenAIRequest | None = None) -> Prepared:
         """Validate and tokenize; raises ValueError (a 400) naming the problem. Touches no engine state.
         (A text prompt far too long for the context is refused by its length, before tokenizing: the
-        engine checks it in `chat_token_ids` and `process_request`.)"""
-        self.check(request)
-        prompt, params = engine_inputs(request.url, request.body, self.llm)
+        engine checks it in `chat_token_ids` and `process_request`.) `parsed`: a Batch API line's
+        body as its reading parsed it; a live body is parsed here, every field checked, once."""
+        parsed = parsed or parse_request(request.url, request.body)
+        self.check(request, parsed)
+        prompt, params = engine_inputs(parsed, self.llm)
         if params.seed is None:  # drawn here: the engine's own seed generator belongs to its thread
             params.seed = random.getrandbits(62)
         return Prepared(request, self.llm.engine.process_request(prompt, params, request.custom_id, priority))
@@ -121,7 +128,7 @@ class ServingBackend:
         request_id = self._request_id(request)
         keyed = BatchRequest(request.line, request_id, request.url, request.body)
         try:
-            prepared = self.prepare(keyed, BATCH_PRIORITY)
+            prepared = self.prepare(keyed, BATCH_PRIORITY, request.parsed)
         except ValueError as exc:  # e.g. longer than the context: final, like the embedded backend
             sink.error(request, "invalid_request", str(exc))
             return

@@ -1,13 +1,15 @@
-"""``tokenmill serve``: argument parsing and wiring; the work is in app.py and engine_loop.py."""
+"""``tokenmill serve``: flags → an engine spec (the embedded engine, or vLLM's with --engine vllm) →
+the loaded model behind the OpenAI routes; the work is in app.py and engine_loop.py."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from tokenmill.engine.args import add_engine_arguments, engine_kwargs
+from tokenmill.engine.args import add_engine_arguments
 from tokenmill.environment import SERVER_API_KEY_ENV, cache_root, model_name, server_api_key
 from tokenmill.serve.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_UPLOAD_BYTES
+from tokenmill.vllm_engine.args import add_engine_choice, engine_spec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,18 +32,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--no-docs", dest="docs", action="store_false",
         help="serve no /docs, /redoc or /openapi.json (with --api-key they need the key too)")
     add("--log-level", default="info")
-    # Live requests go ahead of Batch API lines under "priority".
+    add_engine_choice(parser)
+    # Live requests go ahead of Batch API lines under "priority" (vLLM schedules by it too).
     add_engine_arguments(parser, defaults={"scheduling_policy": "priority"})
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from tokenmill.engine import LLM
+    from tokenmill.engines import load_engine
     from tokenmill.serve.app import create_app
     from tokenmill.serve.state import ServeState
 
-    llm = LLM(**engine_kwargs(args))
+    llm = load_engine(engine_spec(args))
     state = ServeState(
         llm, model_name=args.served_model_name or model_name(args.model),
         state_dir=args.state_dir.expanduser(), api_key=server_api_key(args.api_key),

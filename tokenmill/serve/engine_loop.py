@@ -1,10 +1,11 @@
 """The one thread that owns the engine.
 
-`LLMEngine` is not thread-safe, so every call into it after start-up (add, step, abort) happens
-here. Other threads send commands through a queue; each request's outputs go to the callback it
-was added with (the HTTP layer wraps it in `loop.call_soon_threadsafe`, the batch runner in a
-thread queue). While there is work the thread steps the engine back to back (continuous
-batching across all clients); when idle it sleeps on the queue.
+An engine (`StepEngine`: the embedded one or vLLM's) is not thread-safe, so every call into it
+after start-up (add, step, abort) happens here. Other threads send commands through a queue;
+each request's outputs go to the callback it was added with (the HTTP layer wraps it in
+`loop.call_soon_threadsafe`, the batch runner in a thread queue). While there is work the thread
+steps the engine back to back (continuous batching across all clients); when idle it sleeps on
+the queue.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tokenmill.engine import EngineRequest, LLMEngine, RequestOutput, SchedulerMetrics
+from tokenmill.engine import EngineRequest, RequestOutput, SchedulerMetrics, StepEngine
 from tokenmill.serve.metrics import ServeMetrics
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ class _Tracked:
 
 @dataclass
 class EngineLoop:
-    engine: LLMEngine
+    engine: StepEngine
     metrics: ServeMetrics
     _commands: queue.Queue = field(default_factory=queue.Queue, init=False)
     _tracked: dict[str, _Tracked] = field(default_factory=dict, init=False)

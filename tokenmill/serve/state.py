@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenmill.engine import LLM
+from tokenmill.engine import InProcessModel
 from tokenmill.serve.backend import ServingBackend
 from tokenmill.serve.batches import BatchManager, FileStore
 from tokenmill.serve.engine_loop import EngineLoop
@@ -20,7 +20,7 @@ from tokenmill.serve.metrics import ServeMetrics
 
 @dataclass
 class ServeState:
-    llm: LLM
+    llm: InProcessModel  # the embedded engine or vLLM's
     model_name: str
     state_dir: Path
     api_key: str | None = None

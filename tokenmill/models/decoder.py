@@ -1,15 +1,16 @@
-"""A Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, SmolLM, Gemma 3, Phi-3) written for a paged KV cache.
+"""The decoder-only transformer forward (CausalLM), written for a paged KV cache, for every family
+in config.SUPPORTED_ARCHITECTURES: Llama (and SmolLM), Mistral, Qwen2, Qwen3, Phi-3, Gemma 3, and
+the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE (experts from moe.py).
 
 Read top to bottom: the step's tokens arrive flattened (no batch padding in the linear
 layers); each layer writes its new K/V into cache slots, then attends per request group over
-K/V gathered from the cache by block table. Parameter names match Hugging Face's, so a
-safetensors checkpoint loads as is.
+K/V gathered from the cache by block table (attention_metadata.py: what the runner builds for a
+step). Parameter names match Hugging Face's, so a safetensors checkpoint loads as is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -17,48 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.models import kernels
+from tokenmill.models.attention_metadata import AttentionGroup, AttentionMetadata, narrow_to_window
 from tokenmill.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from tokenmill.models.decode_stack import DecodeStack
 from tokenmill.models.moe import SparseMoE
 from tokenmill.models.paged_attention import paged_decode_attention
 from tokenmill.models.quant import Quantized, Weight, concatenate, quantize
-
-
-@dataclass
-class AttentionGroup:
-    """Requests attended together: queries padded to [G, Lq], context padded to [G, Lk]."""
-
-    query_index: torch.Tensor  # [G, Lq] rows of the flat token batch (padding: any row)
-    query_valid: torch.Tensor  # [G, Lq] bool
-    context_blocks: torch.Tensor  # [G, NB] block tables (padding: the zeroed null block)
-    context_lens: torch.Tensor  # [G] keys at positions < len are context
-    # [G, 1, group*Lq, NB*block_size] bool, repeated for the query-head group: causal, within
-    # the context and ModelConfig.sliding_window. None when the group is decodes attended by
-    # the paged kernel, which reads context_lens instead.
-    mask: torch.Tensor | None
-    output_rows: torch.Tensor  # query_index[query_valid]
-    covers_batch: bool = False  # the group is every row of the batch, in order (pure decode)
-    # `mask` narrowed to each layer window it does not carry (Gemma 3's sliding layers), keyed by
-    # window; filled by CausalLM.forward.
-    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] slot (block * block_size + offset) of each new token's K/V
-    groups: list[AttentionGroup]
-
-
-def narrow_to_window(g: AttentionGroup, window: int, query_group: int) -> torch.Tensor:
-    """g.mask keeping only the keys less than `window` positions behind their query
-    (transformers' `k > q - window`); padded query rows stay as they were (no all-False rows)."""
-    assert g.mask is not None
-    lq = g.query_valid.shape[1]
-    device = g.query_valid.device
-    q_pos = (g.context_lens - g.query_valid.sum(1))[:, None] + torch.arange(lq, device=device)
-    k_pos = torch.arange(g.mask.shape[-1], device=device)
-    in_window = (k_pos[None, None, :] > q_pos[:, :, None] - window) | ~g.query_valid[:, :, None]
-    return g.mask & in_window.repeat(1, query_group, 1)[:, None]  # rows ordered (head in group, query)
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,31 @@
+"""The README's Python API example, run as it is written: a user copying it gets a job done."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def python_api_example() -> str:
+    match = re.search(r"<!-- python-api -->\n```python\n(.*?)```", README.read_text(), re.S)
+    assert match, "README.md lost its <!-- python-api --> example"
+    return match.group(1)
+
+
+@pytest.mark.slow
+def test_the_python_api_example_runs_a_job(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", python_api_example()], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    status, line = done.stdout.splitlines()[:2]
+    assert status.startswith("done 2 ") and status.endswith("out/api/results.jsonl"), status
+    completion = int(status.split()[2])
+    assert 2 <= completion <= 8  # two rows of at most max_tokens=4 each
+    assert (tmp_path / "out/api/results.jsonl").read_text().count("\n") == 2
+    assert re.fullmatch(r"[0-9.]+ out tok/s, \$[0-9.e-]+ per M", line), line

@@ -1,0 +1,50 @@
+"""What runs a job's requests, as a typed spec, and the one place a spec becomes a `Backend`.
+
+`tokenmill run`'s flags (flags.py), each `tokenmill choose` candidate and a Python caller build one
+of these, each beside the backend it describes:
+- `EngineConfig` / `VllmConfig` (engine/, vllm_engine/): an engine in this process (embedded.py);
+- `EndpointSpec` (endpoint.py): an OpenAI-compatible server;
+- `RaySpec` (ray_runner.py): Ray replicas, each running one of those.
+Each validates itself when built (ValueError naming the flag), so a spec that exists can run;
+`build_backend` turns it into the backend, loading nothing (a model loads in `Backend.start`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tokenmill.engine import EngineConfig
+from tokenmill.jobs.backend import Backend
+from tokenmill.jobs.endpoint import EndpointSpec
+from tokenmill.jobs.ray_runner import RaySpec
+from tokenmill.vllm_engine.config import VllmConfig
+
+BackendSpec = EngineConfig | VllmConfig | EndpointSpec | RaySpec
+
+
+def build_backend(spec: BackendSpec) -> Backend:
+    """The backend for `spec`. Imports only what it needs: an endpoint job loads no torch."""
+    if isinstance(spec, RaySpec):
+        from tokenmill.jobs.ray_runner import RayBackend
+
+        return RayBackend(_replica_backends(spec), spec.resolved_options())
+    if isinstance(spec, EndpointSpec):
+        from tokenmill.jobs.endpoint import EndpointBackend
+
+        return EndpointBackend(spec)
+    from tokenmill.jobs.embedded import EmbeddedBackend
+
+    return EmbeddedBackend(spec)
+
+
+def _replica_backends(spec: RaySpec) -> list[Backend]:
+    """What each Ray actor gets a copy of (not started: each actor loads its own)."""
+    if isinstance(spec.replica, tuple):
+        # The global bound: replicas × share <= --concurrency.
+        share = spec.replica[0].concurrency // spec.options.replicas
+        return [build_backend(replace(endpoint, concurrency=share)) for endpoint in spec.replica]
+    engine = spec.replica
+    if isinstance(engine, EngineConfig) and engine.num_threads is None:
+        # A replica's torch threads = its CPUs, so replicas on one machine do not fight for cores.
+        engine = replace(engine, num_threads=max(1, int(spec.options.cpus_per_replica)))
+    return [build_backend(engine)]

@@ -1,0 +1,187 @@
+"""`tokenmill run`'s flags, and the one place they become typed objects: the job (`JobConfig`) and
+its backend (`BackendSpec`, backend_specs.py). `tokenmill run` (jobs/cli.py) and each `tokenmill
+choose` candidate parse their flags with these, so a flag means the same in both; below this,
+nothing sees an argparse Namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tokenmill.engine import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
+from tokenmill.engine.args import (
+    add_engine_arguments,
+    add_structured_output_arguments,
+    structured_outputs_from_args,
+)
+from tokenmill.environment import CLIENT_API_KEY_ENV, client_api_key
+from tokenmill.jobs.config import ORDERS, JobConfig
+from tokenmill.jobs.output import JobError
+from tokenmill.jobs.ray_runner import RayOptions, RaySpec
+from tokenmill.jobs.spec import FORMATS, ID_COLUMNS, PROMPT_COLUMNS, DocumentOptions
+from tokenmill.openai_compat import structured_outputs_body
+from tokenmill.plan.price import FLAG_HELP as PRICE_HELP
+from tokenmill.plan.price import price_per_hour_arg
+from tokenmill.vllm_engine.args import add_engine_choice, engine_spec
+
+if TYPE_CHECKING:
+    from tokenmill.jobs.backend_specs import BackendSpec
+
+RAY_ONLY_FLAGS = {"--ray-address": "ray_address", "--replicas": "replicas", "--cpus-per-replica": "cpus_per_replica",
+                  "--gpus-per-replica": "gpus_per_replica", "--ray-batch-size": "ray_batch_size"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("input", type=Path, nargs="?",
+        help="OpenAI batch JSONL, JSONL with prompt/messages, or text (one document a line)")
+    add("-i", "--input", dest="input_option", type=Path, metavar="INPUT",
+        help="the input, as a flag (`vllm run-batch -i IN -o OUT` works as it is)")
+    add("-o", "--output", type=Path, required=True,
+        help="a folder (results.jsonl, errors.jsonl, summary.json, job.json in it) or a results .jsonl file")
+    add("--errors", type=Path, help="errors JSONL (default: beside the results)")
+    add("--input-format", choices=FORMATS, default="auto", help="default: by suffix and first line")
+    add_csv_column_arguments(parser)
+    docs = parser.add_argument_group("turning documents into requests (and filling request bodies)")
+    docs.add_argument("--system", help="system message for each document (and message lists without one)")
+    docs.add_argument("--template", help='user message with "{text}" where the document goes')
+    docs.add_argument("--max-tokens", type=int,
+                      help=f"for bodies without max_tokens, whatever the backend (default {DEFAULT_MAX_TOKENS}); "
+                      "the summary counts the rows it capped")
+    docs.add_argument("--temperature", type=float,
+                      help=f"for bodies without temperature (default {DEFAULT_TEMPERATURE:g}, OpenAI's; 0 = greedy)")
+    docs.add_argument("--completions", action="store_true",
+                      help="send documents to /v1/completions as plain prompts instead of chat")
+    add_structured_output_arguments(
+        parser, "structured outputs, for every row that asks for none of its own (docs/jobs.md)")
+    ep = parser.add_argument_group("endpoint backend")
+    ep.add_argument("--endpoint", action="append",
+                    help="base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1 "
+                    "(with --ray, repeat it to spread batches over several servers)")
+    ep.add_argument("--api-key", help=f"bearer token (default: ${' or $'.join(CLIENT_API_KEY_ENV)})")
+    ep.add_argument("--concurrency", type=int,
+                    help="requests in flight (default 16; with --ray, in all replicas together)")
+    ep.add_argument("--timeout", type=float, default=600.0, help="seconds per attempt (default 600)")
+    ep.add_argument("--retry-for", type=float, default=600.0, metavar="SECONDS",
+                    help="keep retrying a request's 429s, 5xx, timeouts and lost connections this long; an "
+                    "endpoint that stays down this long (no answer to probes) ends the job with exit 3, and a "
+                    "re-run resumes (default 600)")
+    ep.add_argument("--max-attempts", type=int,
+                    help="also cap the tries per request (default: no cap, --retry-for decides)")
+    run = parser.add_argument_group("running")
+    run.add_argument("--order", choices=ORDERS, default="input",
+                     help="input order, or the biggest requests first, in length buckets (see docs/jobs.md)")
+    run.add_argument("--strict", action="store_true", help="refuse the whole job if any line is bad")
+    run.add_argument("--overwrite", action="store_true", help="discard existing output files and start over")
+    run.add_argument("--price-per-hour", type=price_per_hour_arg, help=f"for the cost in the summary: {PRICE_HELP}")
+    run.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    ray = parser.add_argument_group("scaling out on a Ray cluster (pip install 'tokenmill[ray]'; docs/jobs.md)")
+    ray.add_argument("--ray", action="store_true", help="run the job data parallel on Ray, one engine per replica")
+    ray.add_argument("--ray-address", help="auto, ray://HOST:10001, … (default: $RAY_ADDRESS, a cluster "
+                     "started on this machine, else a new local one)")
+    ray.add_argument("--replicas", type=int,
+                     help=f"Ray actors, each with its own engine (default {RayOptions.replicas})")
+    ray.add_argument("--cpus-per-replica", type=float,
+                     help=f"default {RayOptions.cpus_per_replica:g} (also its torch threads)")
+    ray.add_argument("--gpus-per-replica", type=float, help=f"default {RayOptions.gpus_per_replica:g}")
+    ray.add_argument("--ray-batch-size", type=int,
+                     help="requests per batch sent to a replica (default 4 × --max-num-seqs, or 4 × its share "
+                     "of --concurrency); the unit re-run when a replica dies")
+    ray.add_argument("--no-progress-timeout", type=float, default=1800.0,
+                     help="fail when no batch finishes for this many seconds (default 1800; keep it above "
+                     "the time one batch takes)")
+    add_engine_choice(parser)
+    add_engine_arguments(parser, title="the embedded engine (EngineConfig; not used with --endpoint)", help={
+        "model": "embedded: GGUF file, HF folder or hub id (default: the embedded SmolLM2); with --endpoint: "
+                 "the model name sent in every body"})
+
+
+def add_csv_column_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("CSV input (.csv, .tsv, or --input-format csv): the other columns are "
+                                      "kept as each row's metadata")
+    group.add_argument("--prompt-column", metavar="NAME",
+                       help=f"the prompt's column (default: {' or '.join(PROMPT_COLUMNS)})")
+    group.add_argument("--id-column", metavar="NAME",
+                       help=f"the custom_id's column (default: {' or '.join(ID_COLUMNS)} if there is one, "
+                       "else line-N)")
+
+
+def parse_job(args: argparse.Namespace) -> tuple[JobConfig, BackendSpec]:
+    """The job and the backend the flags ask for; JobError naming the flag for any that cannot be."""
+    try:
+        return job_config(args), backend_spec(args)
+    except JobError:
+        raise
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
+
+
+def job_config(args: argparse.Namespace) -> JobConfig:
+    """The job the flags ask for (`tokenmill choose` builds each candidate's job here too)."""
+    options = DocumentOptions(
+        system=args.system, template=args.template, max_tokens=args.max_tokens,
+        temperature=args.temperature, model=args.model if args.endpoint else None,
+        completions=args.completions, structured_outputs=_structured_outputs(args),
+        prompt_column=args.prompt_column, id_column=args.id_column,
+    )
+    return JobConfig(
+        input=_input(args), output=args.output, options=options, errors=args.errors,
+        input_format=args.input_format, strict=args.strict, overwrite=args.overwrite, order=args.order,
+        price_per_hour=args.price_per_hour, progress=not args.no_progress,
+    )
+
+
+def _input(args: argparse.Namespace) -> Path:
+    """The input file, given once: as the first argument or with -i/--input."""
+    given = [p for p in (args.input, getattr(args, "input_option", None)) if p is not None]
+    if len(given) != 1:
+        raise JobError("give the input file once: as the first argument or with -i/--input"
+                       + (f" (got {given[0]} and {given[1]})" if given else ""))
+    return given[0]
+
+
+def _structured_outputs(args: argparse.Namespace) -> dict[str, Any] | None:
+    """--json-schema / --choice / --regex as the body field asking for it; JobError, before any
+    work, for a value that cannot be one."""
+    try:
+        setting = structured_outputs_from_args(args)
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
+    return None if setting is None else structured_outputs_body(setting)
+
+
+def backend_spec(args: argparse.Namespace) -> BackendSpec:
+    """The backend the flags ask for: the embedded engine, vLLM's, an endpoint, or Ray replicas of
+    any of them. ValueError naming the flag for a combination that cannot be."""
+    from tokenmill.jobs.endpoint import EndpointSpec, RetryPolicy
+
+    urls = args.endpoint or []
+    if urls and args.engine == "vllm":
+        raise ValueError("--engine vllm runs vLLM in this process; --endpoint sends to a server instead: give one")
+    if len(urls) > 1 and not args.ray:
+        raise ValueError("several --endpoint need --ray (each replica spreads its batches over them)")
+    given_ray_flags = [name for name, dest in RAY_ONLY_FLAGS.items() if getattr(args, dest) is not None]
+    if given_ray_flags and not args.ray:
+        raise ValueError(f"{', '.join(given_ray_flags)} need --ray")
+    if urls:
+        retry = RetryPolicy(retry_for=args.retry_for, max_attempts=args.max_attempts)
+        given = _given(concurrency=args.concurrency)
+        endpoints = tuple(EndpointSpec(url, args.model, client_api_key(args.api_key), timeout_s=args.timeout,
+                                       retry=retry, **given) for url in urls)
+    engine = None if urls else engine_spec(args)
+    if not args.ray:
+        return endpoints[0] if urls else engine  # type: ignore[return-value]
+    options = RayOptions(address=args.ray_address, batch_size=args.ray_batch_size,
+                         no_progress_timeout_s=args.no_progress_timeout,
+                         **_given(replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
+                                  gpus_per_replica=args.gpus_per_replica))
+    return RaySpec(endpoints if urls else engine, options)  # type: ignore[arg-type]
+
+
+def _given(**values: Any) -> dict[str, Any]:
+    """The flags given (not None): the rest keep the spec's own defaults, written there once."""
+    return {name: value for name, value in values.items() if value is not None}
+
+
