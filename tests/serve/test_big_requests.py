@@ -3,6 +3,7 @@ and /health answers at once (issue: a 20 MB prompt froze every client for 52 s).
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -56,6 +57,12 @@ class Watch:
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def __enter__(self) -> Watch:
+        # `tokenmill serve` freezes what is alive at startup so that full collections do not stall
+        # clients (serve/app.py); this server lives in pytest's process, whose heap has grown since,
+        # so freeze that too: a collection of the test runner's objects is no stall of the server's. (Not
+        # unfrozen after: that would unfreeze the server's own startup objects as well.)
+        gc.collect()
+        gc.freeze()
         self._stream_thread.start()
         assert self._probe.stdout is not None and self._probe.stdout.readline() == "polling\n"
         wait_until(lambda: len(self.chunk_times) >= 3, "the stream started")

@@ -92,8 +92,7 @@ class _Request:
     token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
 
-    def output(self, finish_reason: str | None, stop_reason: int | str | None = None,
-               error: str | None = None) -> RequestOutput:
+    def output(self, finish_reason: str | None, stop_reason: int | str | None = None) -> RequestOutput:
         """tokenmill's output for where the request stands. vLLM's outputs do not say how often a
         request was preempted (its counter is the engine's: `stats()`), so neither does this."""
         return RequestOutput(
@@ -101,7 +100,7 @@ class _Request:
             text=self.text_so_far, token_ids=list(self.token_ids), finish_reason=finish_reason,
             stop_reason=stop_reason, num_prompt_tokens=len(self.prompt_token_ids),
             num_cached_tokens=self.num_cached_tokens, num_preemptions=None, timings=self.timings,
-            finished=finish_reason is not None, error=error,
+            finished=finish_reason is not None,
         )
 
 
@@ -152,8 +151,11 @@ class VllmEngine:
         if len(ids) >= self.max_model_len:  # refused now, as the embedded engine does, not at submission
             raise ValueError(f"prompt has {len(ids):,} tokens but the context is {self.max_model_len:,} tokens "
                              "(at least one must be left to generate)")
-        return EngineRequest(request_id if request_id is not None else self.new_request_id(), text, ids, params,
-                             priority, params.seed or 0, time.monotonic())
+        return EngineRequest(
+            request_id=request_id if request_id is not None else self.new_request_id(), prompt=text,
+            prompt_token_ids=ids, params=params, priority=priority,
+            seed=params.seed or 0,  # unused: an unseeded request takes vLLM's engine seed (`_vllm_params`)
+            arrival=time.monotonic())
 
     def add_processed(self, request: EngineRequest) -> str:
         if request.request_id in self._requests:
