@@ -26,6 +26,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm`
 pytestmark = pytest.mark.slow
 
 from tokenmill.cli import build_parser  # noqa: E402
+from tokenmill.engines import load_engine  # noqa: E402
 from tokenmill.vllm_engine import engine_spec  # noqa: E402
 from tokenmill.vllm_engine.engine import VllmLLM  # noqa: E402  (after the skip: it is only useful with vLLM)
 
@@ -50,7 +51,7 @@ def vllm_llm(folder: str) -> VllmLLM:
     """Built from `tokenmill run`'s flags, as a job builds it."""
     args = build_parser().parse_args(["run", "in.jsonl", "-o", "out", "--engine", "vllm", "--model", folder,
                                       "--max-num-seqs", "4", *VLLM_FLAGS])
-    llm = engine_spec(args).load()
+    llm = load_engine(engine_spec(args))
     assert isinstance(llm, VllmLLM)
     yield llm
     llm.engine.close()
