@@ -40,9 +40,7 @@ def build_backend(spec: BackendSpec) -> Backend:
 def _replica_backends(spec: RaySpec) -> list[Backend]:
     """What each Ray actor gets a copy of (not started: each actor loads its own)."""
     if isinstance(spec.replica, tuple):
-        # The global bound: replicas × share <= --concurrency.
-        share = spec.replica[0].concurrency // spec.options.replicas
-        return [build_backend(replace(endpoint, concurrency=share)) for endpoint in spec.replica]
+        return [build_backend(replace(endpoint, concurrency=spec.endpoint_share)) for endpoint in spec.replica]
     engine = spec.replica
     if isinstance(engine, EngineConfig) and engine.num_threads is None:
         # A replica's torch threads = its CPUs, so replicas on one machine do not fight for cores.

@@ -48,10 +48,9 @@ class EmbeddedBackend:
         self._load_s = 0.0
         self.kind = llm.engine.name if llm else self.spec.engine
         self.model = model_name(llm.engine.model if llm else self.spec.model)
-        # Resized in `start` to the engine's batch (vLLM's default is known once it is loaded).
+        # Set again in `start` from the engine's batch (vLLM's default is known once it is loaded).
         self._window_factor = window_factor
-        max_num_seqs = llm.engine.max_num_seqs if llm else self.spec.max_num_seqs
-        self.window = max(1, window_factor * (max_num_seqs or EngineConfig.max_num_seqs))
+        self.window = self._window(llm.engine.max_num_seqs if llm else self.spec.max_num_seqs)
 
     # ---- validation (before any work) -------------------------------------------------------
     def check(self, request: BatchRequest) -> None:
@@ -75,7 +74,10 @@ class EmbeddedBackend:
             start = time.monotonic()
             self._llm = load_engine(self.spec, self._weights)
             self._load_s = time.monotonic() - start
-            self.window = max(1, self._window_factor * self._llm.engine.max_num_seqs)
+            self.window = self._window(self._llm.engine.max_num_seqs)
+
+    def _window(self, max_num_seqs: int | None) -> int:
+        return max(1, self._window_factor * (max_num_seqs or EngineConfig.max_num_seqs))
 
     def run(self, requests: Iterator[BatchRequest], sink: ResultSink, stop: StopFlag) -> BackendStats:
         assert self._llm is not None, "start() first"

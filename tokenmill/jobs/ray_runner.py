@@ -83,13 +83,19 @@ class RaySpec:
                 raise ValueError(f"--concurrency {total} is below --replicas {self.options.replicas}: "
                                  "each replica needs at least one request in flight")
 
+    @property
+    def endpoint_share(self) -> int:
+        """With endpoints: each replica's share of the job's --concurrency (replicas × share <= it)."""
+        assert isinstance(self.replica, tuple)
+        return self.replica[0].concurrency // self.options.replicas
+
     def resolved_options(self) -> RayOptions:
         """The options with the batch size decided: 4 × what keeps one replica busy (its engine's
         batch, or its share of the concurrency) unless given."""
         if self.options.batch_size is not None:
             return self.options
         if isinstance(self.replica, tuple):
-            busy = self.replica[0].concurrency // self.options.replicas
+            busy = self.endpoint_share
         else:
             busy = self.replica.max_num_seqs or EngineConfig.max_num_seqs
         return replace(self.options, batch_size=4 * busy)

@@ -51,5 +51,8 @@ def run(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes, max_upload_bytes=args.max_upload_bytes, docs=args.docs,
     )
     print(f"tokenmill serve: {state.model_name} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        llm.engine.close()  # vLLM's engine process goes with the server, not at interpreter exit
     return 0

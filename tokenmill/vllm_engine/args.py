@@ -15,7 +15,7 @@ from typing import Any
 
 from tokenmill.engine import EngineConfig, EngineSpec
 from tokenmill.engine.args import engine_settings, flag
-from tokenmill.vllm_engine.config import NAMED_ARGS, RENAMED_SETTINGS, SHARED_SETTINGS, VllmConfig
+from tokenmill.vllm_engine.config import NAMED_ARGS, VllmConfig, vllm_has
 
 ENGINES = ("embedded", "vllm")
 
@@ -60,7 +60,7 @@ def engine_spec(args: argparse.Namespace, engine: str | None = None, **overrides
     settings = {**engine_settings(args), **overrides}
     if engine == "vllm":
         if "embedded" in engines:  # bench measuring both: the embedded-only flags were for the other one
-            settings = {k: v for k, v in settings.items() if k in SHARED_SETTINGS or k in RENAMED_SETTINGS}
+            settings = {k: v for k, v in settings.items() if vllm_has(k)}
         named = {name: getattr(args, f"vllm_{name}") for name in NAMED_ARGS
                  if getattr(args, f"vllm_{name}") is not None}
         return VllmConfig.from_settings(settings, **named, engine_args=parse_engine_args(args.engine_arg))

@@ -20,6 +20,11 @@ SHARED_SETTINGS = ("model", "tokenizer", "dtype", "max_model_len", "max_num_seqs
                    "enable_prefix_caching", "enable_chunked_prefill", "block_size", "seed", "scheduling_policy")
 RENAMED_SETTINGS = {"kv_cache_bytes": "kv_cache_memory_bytes"}
 VLLM_SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def vllm_has(setting: str) -> bool:
+    """Whether the EngineConfig field `setting` means something to vLLM too."""
+    return setting in SHARED_SETTINGS or setting in RENAMED_SETTINGS
 # The vLLM arguments with a flag of their own (the rest: --engine-arg KEY=VALUE).
 NAMED_ARGS: dict[str, type] = {"tensor_parallel_size": int, "pipeline_parallel_size": int,
                                "gpu_memory_utilization": float, "quantization": str}
@@ -64,7 +69,7 @@ class VllmConfig:
     def from_settings(cls, settings: dict[str, Any], **vllm_args: Any) -> VllmConfig:
         """From `EngineConfig` field values set by the user (engine/args.py `engine_settings`) and
         vLLM's own arguments; ValueError naming each setting vLLM has no equivalent for."""
-        unknown = [name for name in settings if name not in SHARED_SETTINGS and name not in RENAMED_SETTINGS]
+        unknown = [name for name in settings if not vllm_has(name)]
         if unknown:
             flags = ", ".join("--" + name.replace("_", "-") for name in unknown)
             raise ValueError(f"{flags}: the embedded engine's setting(s), which vLLM has no equivalent for "
