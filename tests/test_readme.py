@@ -23,9 +23,11 @@ def test_the_python_api_example_runs_a_job(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", python_api_example()], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    status, line = done.stdout.splitlines()[:2]
+    status, line, *answers = done.stdout.splitlines()
     assert status.startswith("done 2 ") and status.endswith("out/api/results.jsonl"), status
     completion = int(status.split()[2])
     assert 2 <= completion <= 8  # two rows of at most max_tokens=4 each
+    assert [a.split()[0] for a in answers] == ["line-1", "line-2"]
+    assert all(a.split()[1] in ("positive", "negative") for a in answers), answers  # held to the choice
     assert (tmp_path / "out/api/results.jsonl").read_text().count("\n") == 2
     assert re.fullmatch(r"[0-9.]+ out tok/s, \$[0-9.e-]+ per M", line), line
