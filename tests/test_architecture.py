@@ -18,7 +18,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "tokenmill"
 
 # Each part of tokenmill/ and the parts it may import (besides itself). Arrows only point down:
-# serve, choose → jobs → openai_compat, engines, bench → engine, vllm_engine → models, plan → cost,
+# serve, choose, split → jobs → openai_compat, engines, bench → engine, vllm_engine → models, plan → cost,
 # environment, gguf_header.
 LAYERS: dict[str, set[str]] = {
     "cost": set(),
@@ -34,6 +34,7 @@ LAYERS: dict[str, set[str]] = {
     "jobs": {"openai_compat", "engines", "engine", "vllm_engine", "models", "plan", "cost", "environment"},
     "serve": {"jobs", "openai_compat", "engines", "engine", "vllm_engine", "environment"},
     "choose": {"jobs", "openai_compat", "plan", "cost", "environment"},
+    "split": {"jobs", "openai_compat"},  # `tokenmill split`: run's input reading and part cutting, no backend
     "cli": set(),  # loads each command's package by name (importlib), so it imports none of them
     "__main__": {"cli"},
     # `from tokenmill import LLM, run_job`: the facade for users (the Python API), not for the package itself
@@ -257,6 +258,15 @@ def test_run_help_imports_only_the_jobs_command(tmp_path: Path) -> None:
     assert result["code"] == 0, result["stderr"]
     assert cli_modules(result) == ["tokenmill.cli", "tokenmill.jobs.cli"]
     assert not result["heavy"], heavy_imports(result)
+
+
+def test_split_imports_no_heavy_library(tmp_path: Path) -> None:
+    (tmp_path / "in.txt").write_text("first document\nsecond document\n")
+    result = probe(["split", "in.txt", "-o", "parts", "--max-requests", "1"], tmp_path)
+    assert result["code"] == 0, result["stderr"]
+    assert cli_modules(result) == ["tokenmill.cli", "tokenmill.split.cli"]
+    assert not result["heavy"], heavy_imports(result)
+    assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == ["part-00001.jsonl", "part-00002.jsonl"]
 
 
 def test_plan_imports_no_heavy_library(tmp_path: Path) -> None:

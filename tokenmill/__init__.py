@@ -2,8 +2,8 @@
 
 The Python API, for notebooks and pipelines (README, "Python API"): the offline engine (`LLM`,
 `SamplingParams`), and batch jobs as the command line runs them — a `JobConfig`, a backend spec
-(`EngineConfig`, `VllmConfig`, `EndpointSpec`, `RaySpec`), `build_backend`, `run_job`, and the
-`JobOutcome` it returns.
+(`EngineConfig`, `VllmConfig`, `EndpointSpec`, `BatchApiSpec`, `RaySpec`), `build_backend`,
+`run_job`, and the `JobOutcome` it returns.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tokenmill.engine import LLM, EngineConfig, LLMEngine, RequestOutput, SamplingParams, StructuredOutputsParams
     from tokenmill.jobs.backend_specs import build_backend
+    from tokenmill.jobs.batch_api import BatchApiSpec
     from tokenmill.jobs.config import JobConfig
     from tokenmill.jobs.endpoint import EndpointSpec, RetryPolicy
     from tokenmill.jobs.ray_runner import RayOptions, RaySpec
@@ -29,6 +30,7 @@ _EXPORTS = {
                      "StructuredOutputsParams"], "tokenmill.engine"),
     "VllmConfig": "tokenmill.vllm_engine.config",
     "EndpointSpec": "tokenmill.jobs.endpoint",
+    "BatchApiSpec": "tokenmill.jobs.batch_api",
     "RaySpec": "tokenmill.jobs.ray_runner",
     "build_backend": "tokenmill.jobs.backend_specs",
     "RetryPolicy": "tokenmill.jobs.endpoint",
@@ -40,6 +42,7 @@ _EXPORTS = {
 }
 __all__ = [
     "LLM",
+    "BatchApiSpec",
     "DocumentOptions",
     "EndpointSpec",
     "EngineConfig",

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
-import uuid
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -62,7 +62,7 @@ class RequestError(ValueError):
 
 def new_id(prefix: str) -> str:
     """An OpenAI-style id: `chatcmpl-…`, `batch_req_…`, `file-…`."""
-    return f"{prefix}{uuid.uuid4().hex[:24]}"
+    return f"{prefix}{os.urandom(12).hex()}"  # uuid4 costs 5× more, and a row needs two
 
 
 def new_response_id(url: str) -> str:

@@ -62,23 +62,29 @@ def test_appender_writes_each_row_with_one_write(tmp_path: Path, monkeypatch: py
 def test_output_layout_for_a_folder_and_for_a_file(tmp_path: Path) -> None:
     folder = OutputPaths.from_option(tmp_path / "out")
     assert folder == OutputPaths(tmp_path / "out/results.jsonl", tmp_path / "out/errors.jsonl",
-                                 tmp_path / "out/summary.json", tmp_path / "out/job.json")
+                                 tmp_path / "out/summary.json", tmp_path / "out/job.json",
+                                 tmp_path / "out/backend.json", tmp_path / "out/results.index")
     single = OutputPaths.from_option(tmp_path / "res.jsonl", errors=tmp_path / "bad.jsonl")
     assert single == OutputPaths(tmp_path / "res.jsonl", tmp_path / "bad.jsonl",
-                                 tmp_path / "res.summary.json", tmp_path / "res.job.json")
+                                 tmp_path / "res.summary.json", tmp_path / "res.job.json",
+                                 tmp_path / "res.backend.json", tmp_path / "res.index")
+
+
+IDENTITY_A = {"size": 3, "ends_sha256": "a" * 64}
 
 
 def test_outputs_belong_to_one_job(tmp_path: Path) -> None:
     paths = OutputPaths.from_option(tmp_path / "out")
-    job = output.job_record(Path("in.jsonl"), "a" * 64, {"max_tokens": 8, "model": "m"})
+    job = output.job_record(Path("in.jsonl"), IDENTITY_A, {"max_tokens": 8, "model": "m"})
     assert output.claim_outputs(paths, job, overwrite=False) is False
     paths.results.write_text(output.encode_row(rows(1)[0]).decode())
     assert output.claim_outputs(paths, job, overwrite=False) is True  # the same job: resume
 
-    other_input = output.job_record(Path("other.jsonl"), "b" * 64, {"max_tokens": 8, "model": "m"})
+    identity_b = {"size": 3, "ends_sha256": "b" * 64}
+    other_input = output.job_record(Path("other.jsonl"), identity_b, {"max_tokens": 8, "model": "m"})
     with pytest.raises(JobError, match=r"input differs .*--overwrite"):
         output.claim_outputs(paths, other_input, overwrite=False)
-    other_options = output.job_record(Path("in.jsonl"), "a" * 64, {"max_tokens": 9, "model": "m"})
+    other_options = output.job_record(Path("in.jsonl"), IDENTITY_A, {"max_tokens": 9, "model": "m"})
     with pytest.raises(JobError, match="max_tokens was 8, now 9"):
         output.claim_outputs(paths, other_options, overwrite=False)
     assert paths.results.exists()  # refusing touched nothing
@@ -91,7 +97,7 @@ def test_outputs_belong_to_one_job(tmp_path: Path) -> None:
 def test_a_results_file_without_job_json_is_not_ours(tmp_path: Path) -> None:
     paths = OutputPaths.from_option(tmp_path / "res.jsonl")
     paths.results.write_text('{"some": "thing"}\n')
-    job = output.job_record(Path("in.jsonl"), "a" * 64, {})
+    job = output.job_record(Path("in.jsonl"), IDENTITY_A, {})
     with pytest.raises(JobError, match="no res.job.json beside it"):
         output.claim_outputs(paths, job, overwrite=False)
 

@@ -59,7 +59,7 @@ def test_bad_lines_are_recorded_and_the_good_ones_run(tmp_path: Path, echo: Echo
                                    "max_tokens_defaulted": 4, "default_max_tokens": 4}
     assert summary["tokens"] == {"prompt": 20, "cached": 6, "completion": 8}
     job = json.loads((out / "job.json").read_text())
-    assert job["settings"]["max_tokens"] == 4 and len(job["input_sha256"]) == 64
+    assert job["settings"]["max_tokens"] == 4 and len(job["input_identity"]["ends_sha256"]) == 64
 
     # The re-run retries only the transient failure; the final ones and bad lines stay as they are.
     again = EchoBackend()

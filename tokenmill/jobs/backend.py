@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from tokenmill.jobs import output
 from tokenmill.jobs.output import RowWriter
 from tokenmill.jobs.progress import JobProgress
+from tokenmill.jobs.seen_ids import id_key
 from tokenmill.jobs.spec import BatchRequest
 
 
@@ -71,7 +73,8 @@ class ResultSink:
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
 
     def result(self, request: BatchRequest, body: dict[str, Any], request_id: str | None = None) -> None:
-        self._results.write(output.result_row(request.custom_id, body, request_id, request.metadata))
+        row = output.result_row(request.custom_id, body, request_id, request.metadata)
+        self._results.write(row, index_entry(request, body))
         self._count_result(body, request.structured)
 
     def error(
@@ -80,12 +83,12 @@ class ResultSink:
         self._errors.write(output.error_row(request.custom_id, request.line, code, message, response, request.metadata))
         self._count_error(code)
 
-    def row(self, row: dict[str, Any], structured: bool = False) -> None:
-        """A row already made by `result` / `error` elsewhere (on a Ray replica); `structured`: its
-        request's `BatchRequest.structured`."""
+    def row(self, row: dict[str, Any], request: BatchRequest) -> None:
+        """A row already made by `result` / `error` elsewhere (on a Ray replica), for `request`."""
         if row.get("error") is None:
-            self._results.write(row)
-            self._count_result(row["response"]["body"], structured)
+            body = row["response"]["body"]
+            self._results.write(row, index_entry(request, body))
+            self._count_result(body, request.structured)
         else:
             self._errors.write(row)
             self._count_error(row["error"]["code"])
@@ -105,6 +108,11 @@ class ResultSink:
         self.transient += code in output.TRANSIENT_CODES
         if self.progress:
             self.progress.advance()
+
+
+def index_entry(request: BatchRequest, body: dict[str, Any]) -> output.IndexEntry:
+    flags = output.index_flags(request.structured, request.max_tokens_defaulted, body)
+    return output.IndexEntry(request.line, id_key(request.custom_id), flags)
 
 
 class Backend(Protocol):
@@ -141,3 +149,11 @@ class LoadsToCheck(Protocol):
     driver that only hands requests to replicas (Ray) turns that off: no model where none runs."""
 
     def check_without_loading(self) -> None: ...
+
+
+@runtime_checkable
+class KeepsState(Protocol):
+    """A backend with state of its own that a re-run must find (the Batch API backend's batch
+    ids): the runner hands it a path beside the job's output before `start`."""
+
+    def keep_state(self, path: Path) -> None: ...

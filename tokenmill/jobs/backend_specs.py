@@ -4,6 +4,7 @@
 of these, each beside the backend it describes:
 - `EngineConfig` / `VllmConfig` (engine/, vllm_engine/): an engine in this process (embedded.py);
 - `EndpointSpec` (endpoint.py): an OpenAI-compatible server;
+- `BatchApiSpec` (batch_api.py): an OpenAI-compatible server's Batch API (half price on OpenAI);
 - `RaySpec` (ray_runner.py): Ray replicas, each running one of those.
 Each validates itself when built (ValueError naming the flag), so a spec that exists can run;
 `build_backend` turns it into the backend, loading nothing (a model loads in `Backend.start`).
@@ -15,11 +16,12 @@ from dataclasses import replace
 
 from tokenmill.engine import EngineConfig
 from tokenmill.jobs.backend import Backend
+from tokenmill.jobs.batch_api import BatchApiSpec
 from tokenmill.jobs.endpoint import EndpointSpec
 from tokenmill.jobs.ray_runner import RaySpec
 from tokenmill.vllm_engine.config import VllmConfig
 
-BackendSpec = EngineConfig | VllmConfig | EndpointSpec | RaySpec
+BackendSpec = EngineConfig | VllmConfig | EndpointSpec | BatchApiSpec | RaySpec
 
 
 def build_backend(spec: BackendSpec) -> Backend:
@@ -28,6 +30,10 @@ def build_backend(spec: BackendSpec) -> Backend:
         from tokenmill.jobs.ray_runner import RayBackend
 
         return RayBackend(_replica_backends(spec), spec.resolved_options())
+    if isinstance(spec, BatchApiSpec):
+        from tokenmill.jobs.batch_api import BatchApiBackend
+
+        return BatchApiBackend(spec)
     if isinstance(spec, EndpointSpec):
         from tokenmill.jobs.endpoint import EndpointBackend
 

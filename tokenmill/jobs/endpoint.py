@@ -6,6 +6,10 @@ up to `retry_for` seconds; any other 4xx is the request's own fault and is recor
 error. A job-wide circuit breaker (`Breaker`) notices when the endpoint itself is down (a server
 restarting): workers stop launching requests, one probe at a time asks whether it is back, and
 the job ends (resumable) if it stays down for `retry_for`.
+
+The client is aiohttp, bodies go out and come back through orjson: at a fast server the job
+layer's own cost per request is what limits a job (docs/jobs.md has the measurements against a
+minimal client; httpx cost ~10× more per request here).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
+import orjson
 
 from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
 from tokenmill.jobs.output import JobFailed
@@ -205,7 +210,7 @@ class Breaker:
 class _Run:
     """What the workers of one `run` share."""
 
-    client: httpx.AsyncClient
+    client: aiohttp.ClientSession
     sink: ResultSink
     halt: asyncio.Event  # a stop signal, or the endpoint gone: every sleep and wait ends
     breaker: Breaker
@@ -237,8 +242,7 @@ class EndpointBackend:
         """One probe now: None when the endpoint answers, else why not (`tokenmill choose` asks
         before a candidate's run, so a server that is down costs one probe, not --retry-for)."""
         async def probe() -> str | None:
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            async with httpx.AsyncClient(base_url=self.base_url, headers=headers) as client:
+            async with self._session(limit=1) as client:
                 return await self._probe(client)
 
         return asyncio.run(probe())
@@ -256,14 +260,19 @@ class EndpointBackend:
                 "re-run the same command to resume")
         return BackendStats(retries=self._retries)
 
+    def _session(self, limit: int) -> aiohttp.ClientSession:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return aiohttp.ClientSession(
+            base_url=self.base_url + "/", headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout),
+            connector=aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300), json_serialize=_json_text,
+        )
+
     async def _run(self, requests: Iterator[BatchRequest], sink: ResultSink, stop: StopFlag) -> Breaker:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        # One connection more than workers: the breaker's probe never waits for a busy pool.
-        limits = httpx.Limits(max_connections=self.concurrency + 1, max_keepalive_connections=self.concurrency)
         halt = asyncio.Event()
-        async with httpx.AsyncClient(
-            base_url=self.base_url, headers=headers, timeout=httpx.Timeout(self.timeout), limits=limits
-        ) as client:
+        # One connection more than workers: the breaker's probe never waits for a busy pool.
+        async with self._session(limit=self.concurrency + 1) as client:
             breaker = Breaker(self.base_url, self.retry, lambda: self._probe(client), halt)
             if self._gone and (error := await self._probe(client)) is not None:
                 breaker.gone, breaker.last_error = True, error  # still down: one probe, not another wait
@@ -313,39 +322,43 @@ class EndpointBackend:
         message = f"{result.message} (gave up after {attempt} attempt(s) in {spent:.1f} s)"
         run.sink.error(request, result.code, message, result.response)
 
-    async def _attempt(self, client: httpx.AsyncClient, request: BatchRequest) -> Attempt:
+    async def _attempt(self, client: aiohttp.ClientSession, request: BatchRequest) -> Attempt:
         try:
-            reply = await client.post(request.url, json=request.body)
-        except httpx.TimeoutException as exc:
+            async with client.post(request.url.lstrip("/"), data=orjson.dumps(request.body)) as reply:
+                raw = await reply.read()
+        except TimeoutError as exc:
             return Attempt(code="timeout", message=f"no reply within {self.timeout:g} s ({type(exc).__name__})",
                            retry=True, down=True)
-        except httpx.TransportError as exc:  # refused, reset, dropped mid-reply
+        except aiohttp.ClientError as exc:  # refused, reset, dropped mid-reply
             return Attempt(code="connection_error", message=_describe(exc), retry=True, down=True)
         request_id = reply.headers.get("x-request-id") or new_id("req_")
-        body = _json_or_none(reply)
-        if 200 <= reply.status_code < 300:
+        body = _json_or_none(raw)
+        if 200 <= reply.status < 300:
             if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
-                return Attempt(code="bad_response", message=f"HTTP {reply.status_code} without a completion body",
+                return Attempt(code="bad_response", message=f"HTTP {reply.status} without a completion body",
                                retry=True)
             return Attempt(body=body, request_id=request_id)
-        response = {"status_code": reply.status_code, "request_id": request_id,
-                    "body": body if body is not None else reply.text[:2000]}
-        message = f"HTTP {reply.status_code}: {_error_message(body, reply.text)}"
+        text = raw.decode("utf-8", "replace")
+        response = {"status_code": reply.status, "request_id": request_id,
+                    "body": body if body is not None else text[:2000]}
+        message = f"HTTP {reply.status}: {_error_message(body, text)}"
         retry_after = parse_retry_after(reply.headers.get("retry-after"))
-        if reply.status_code == 429:
+        if reply.status == 429:
             return Attempt(code="rate_limited", message=message, retry=True, retry_after=retry_after, response=response)
-        if reply.status_code >= 500:
+        if reply.status >= 500:
             return Attempt(code="server_error", message=message, retry=True, retry_after=retry_after,
-                           response=response, down=reply.status_code in DOWN_STATUSES)
-        return Attempt(code=f"http_{reply.status_code}", message=message, response=response)
+                           response=response, down=reply.status in DOWN_STATUSES)
+        return Attempt(code=f"http_{reply.status}", message=message, response=response)
 
-    async def _probe(self, client: httpx.AsyncClient) -> str | None:
+    async def _probe(self, client: aiohttp.ClientSession) -> str | None:
         """None when the endpoint answers at all (a 401 or 404 too: it is up), else why not."""
+        timeout = aiohttp.ClientTimeout(total=min(self.timeout, self.retry.probe_timeout))
         try:
-            reply = await client.get(PROBE_PATH, timeout=min(self.timeout, self.retry.probe_timeout))
+            async with client.get(PROBE_PATH.lstrip("/"), timeout=timeout) as reply:
+                status = reply.status
         except Exception as exc:  # whatever keeps it from answering is a failed probe, named in the end
             return _describe(exc)
-        return f"HTTP {reply.status_code} from GET {PROBE_PATH}" if reply.status_code in DOWN_STATUSES else None
+        return f"HTTP {status} from GET {PROBE_PATH}" if status in DOWN_STATUSES else None
 
 
 async def _watch(stop: StopFlag, halt: asyncio.Event, workers: list[asyncio.Task[None]]) -> None:
@@ -386,11 +399,15 @@ def _describe(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def _json_or_none(reply: httpx.Response) -> Any:
+def _json_or_none(raw: bytes) -> Any:
     try:
-        return reply.json()
-    except ValueError:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
         return None
+
+
+def _json_text(value: Any) -> str:
+    return orjson.dumps(value).decode()
 
 
 def _error_message(body: Any, text: str) -> str:

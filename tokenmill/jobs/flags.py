@@ -28,7 +28,10 @@ from tokenmill.vllm_engine.args import add_engine_choice, engine_spec
 
 if TYPE_CHECKING:
     from tokenmill.jobs.backend_specs import BackendSpec
+    from tokenmill.jobs.batch_api import BatchApiSpec
 
+BATCH_API_ONLY_FLAGS = {"--poll-interval": "poll_interval", "--max-requests-per-part": "max_requests_per_part",
+                        "--max-bytes-per-part": "max_bytes_per_part"}
 RAY_ONLY_FLAGS = {"--ray-address": "ray_address", "--replicas": "replicas", "--cpus-per-replica": "cpus_per_replica",
                   "--gpus-per-replica": "gpus_per_replica", "--ray-batch-size": "ray_batch_size"}
 
@@ -44,16 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--errors", type=Path, help="errors JSONL (default: beside the results)")
     add("--input-format", choices=FORMATS, default="auto", help="default: by suffix and first line")
     add_csv_column_arguments(parser)
-    docs = parser.add_argument_group("turning documents into requests (and filling request bodies)")
-    docs.add_argument("--system", help="system message for each document (and message lists without one)")
-    docs.add_argument("--template", help='user message with "{text}" where the document goes')
-    docs.add_argument("--max-tokens", type=int,
-                      help=f"for bodies without max_tokens, whatever the backend (default {DEFAULT_MAX_TOKENS}); "
-                      "the summary counts the rows it capped")
-    docs.add_argument("--temperature", type=float,
-                      help=f"for bodies without temperature (default {DEFAULT_TEMPERATURE:g}, OpenAI's; 0 = greedy)")
-    docs.add_argument("--completions", action="store_true",
-                      help="send documents to /v1/completions as plain prompts instead of chat")
+    add_document_arguments(parser)
     add_structured_output_arguments(
         parser, "structured outputs, for every row that asks for none of its own (docs/jobs.md)")
     ep = parser.add_argument_group("endpoint backend")
@@ -70,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "re-run resumes (default 600)")
     ep.add_argument("--max-attempts", type=int,
                     help="also cap the tries per request (default: no cap, --retry-for decides)")
+    add_batch_api_arguments(parser)
     run = parser.add_argument_group("running")
     run.add_argument("--order", choices=ORDERS, default="input",
                      help="input order, or the biggest requests first, in length buckets (see docs/jobs.md)")
@@ -96,6 +91,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser, title="the embedded engine (EngineConfig; not used with --endpoint)", help={
         "model": "embedded: GGUF file, HF folder or hub id (default: the embedded SmolLM2); with --endpoint: "
                  "the model name sent in every body"})
+
+
+def add_document_arguments(parser: argparse.ArgumentParser) -> None:
+    """How documents become requests (`tokenmill split` takes these too)."""
+    docs = parser.add_argument_group("turning documents into requests (and filling request bodies)")
+    docs.add_argument("--system", help="system message for each document (and message lists without one)")
+    docs.add_argument("--template", help='user message with "{text}" where the document goes')
+    docs.add_argument("--max-tokens", type=int,
+                      help=f"for bodies without max_tokens, whatever the backend (default {DEFAULT_MAX_TOKENS}); "
+                      "the summary counts the rows it capped")
+    docs.add_argument("--temperature", type=float,
+                      help=f"for bodies without temperature (default {DEFAULT_TEMPERATURE:g}, OpenAI's; 0 = greedy)")
+    docs.add_argument("--completions", action="store_true",
+                      help="send documents to /v1/completions as plain prompts instead of chat")
+
+
+def add_batch_api_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("half-price batches through the endpoint's Batch API (docs/jobs.md)")
+    group.add_argument("--batch-api", action="store_true",
+                       help="with --endpoint: submit the job through its Batch API (/v1/files + /v1/batches; "
+                       "OpenAI bills batches at half price) instead of live requests, and wait for the batches")
+    group.add_argument("--poll-interval", type=float, metavar="SECONDS",
+                       help="--batch-api: seconds between status checks of the batches (default 30)")
+    group.add_argument("--max-requests-per-part", type=int, metavar="N",
+                       help="--batch-api: requests in one uploaded file (default 50000, OpenAI's limit)")
+    group.add_argument("--max-bytes-per-part", type=int, metavar="N",
+                       help="--batch-api: bytes in one uploaded file (default 209715200 = 200 MB, OpenAI's limit)")
 
 
 def add_csv_column_arguments(parser: argparse.ArgumentParser) -> None:
@@ -157,6 +179,8 @@ def backend_spec(args: argparse.Namespace) -> BackendSpec:
     any of them. ValueError naming the flag for a combination that cannot be."""
     from tokenmill.jobs.endpoint import EndpointSpec, RetryPolicy
 
+    if args.batch_api or any(getattr(args, dest) is not None for dest in BATCH_API_ONLY_FLAGS.values()):
+        return batch_api_spec(args)
     urls = args.endpoint or []
     if urls and args.engine == "vllm":
         raise ValueError("--engine vllm runs vLLM in this process; --endpoint sends to a server instead: give one")
@@ -178,6 +202,25 @@ def backend_spec(args: argparse.Namespace) -> BackendSpec:
                          **_given(replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
                                   gpus_per_replica=args.gpus_per_replica))
     return RaySpec(endpoints if urls else engine, options)  # type: ignore[arg-type]
+
+
+def batch_api_spec(args: argparse.Namespace) -> BatchApiSpec:
+    """--endpoint URL --batch-api: the job goes through the server's Batch API."""
+    from tokenmill.jobs.batch_api import BatchApiSpec
+
+    given = [name for name, dest in BATCH_API_ONLY_FLAGS.items() if getattr(args, dest) is not None]
+    if not args.batch_api:
+        raise ValueError(f"{', '.join(given)} need --batch-api")
+    if not args.endpoint:
+        raise ValueError("--batch-api submits the job to a server's Batch API: give it with --endpoint URL")
+    if args.ray:
+        raise ValueError("--batch-api leaves the work to the server's Batch API: it cannot run on --ray replicas")
+    if len(args.endpoint) > 1:
+        raise ValueError("--batch-api takes one --endpoint")
+    return BatchApiSpec(args.endpoint[0], args.model, client_api_key(args.api_key), timeout_s=args.timeout,
+                        retry_for_s=args.retry_for,
+                        **_given(poll_s=args.poll_interval, max_requests_per_part=args.max_requests_per_part,
+                                 max_bytes_per_part=args.max_bytes_per_part))
 
 
 def _given(**values: Any) -> dict[str, Any]:

@@ -1,12 +1,16 @@
 """The job's files: OpenAI batch output rows, appended one `write` at a time, and how a re-run
-finds what is already done.
+finds what is already done without reading them.
 
-Exactly once rests on three things:
+Exactly once rests on four things:
 - a row is written with a single `os.write` of the whole line (newline included) on an
   O_APPEND descriptor, so a killed process leaves whole lines, and at worst (power loss, a full
-  disk) one torn line at the end, which `repair_jsonl` cuts off on the next start;
-- a re-run skips every custom_id that has a result or a *final* error, and retries the rest;
-- `job.json` holds the input's sha256 and the options that change results, and a re-run with
+  disk) one torn line at the end, which the next start cuts off;
+- before each result row, its record goes to the done-index beside the results (`results.index`:
+  the row's input line, its custom_id's key, a few flags, and the results file's length once the
+  row is in). A re-run reads the index, not the rows: a record whose row is not in the results
+  file (killed between the two writes) is dropped, and so are bytes past the last record;
+- a re-run skips every line with a result or a *final* error, and retries the rest;
+- `job.json` holds the input's identity and the options that change results, and a re-run with
   a different input or options refuses instead of mixing two jobs in one file.
 """
 
@@ -22,6 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+import orjson
+
+from tokenmill.jobs.seen_ids import id_key
 from tokenmill.jobs.spec import InputError
 from tokenmill.openai_compat import new_id
 
@@ -31,7 +39,15 @@ WORKER_ERROR = "worker_error"  # a Ray replica's backend raised on this request 
 TRANSIENT_CODES = frozenset(
     {"rate_limited", "server_error", "timeout", "connection_error", "bad_response", WORKER_ERROR}
 )
-JOB_VERSION = 1
+JOB_VERSION = 2  # 1: the input named by its whole sha256 (read before the first request)
+
+# The done-index: a header (magic, and the results file's length when the index began: rows
+# before it come from a version without one), then a record per result row, in row order.
+INDEX_MAGIC = b"TMIDX001"
+INDEX_HEADER = 16
+INDEX_RECORD = np.dtype([("line", "<u4"), ("flags", "<u4"), ("key", "<i8"), ("end", "<u8")])
+# Record flags: what the summary counts of rows done in earlier runs, without reading them.
+STRUCTURED, ENDED_BY_LENGTH, MAX_TOKENS_DEFAULTED = 1, 2, 4
 
 
 class JobError(ValueError):
@@ -43,10 +59,25 @@ class JobFailed(JobError):
     down past --retry-for); the rows written so far are kept, and re-running the same command resumes."""
 
 
-class RowWriter(Protocol):
-    """Where a `ResultSink` puts rows: a `JsonlAppender`, or a list on a Ray replica."""
+@dataclass(frozen=True)
+class IndexEntry:
+    """What the done-index records of a result row (`INDEX_RECORD`)."""
 
-    def write(self, row: dict[str, Any]) -> None: ...
+    line: int
+    key: int  # seen_ids.id_key(custom_id)
+    flags: int  # STRUCTURED | ENDED_BY_LENGTH | MAX_TOKENS_DEFAULTED
+
+
+def index_flags(structured: bool, max_tokens_defaulted: bool, body: dict[str, Any] | None) -> int:
+    ended = finish_reason_of(body) == "length"
+    return STRUCTURED * structured | MAX_TOKENS_DEFAULTED * max_tokens_defaulted | ENDED_BY_LENGTH * ended
+
+
+class RowWriter(Protocol):
+    """Where a `ResultSink` puts rows: the job's files, or a list on a Ray replica. `entry` comes
+    with every result row (the done-index's record of it)."""
+
+    def write(self, row: dict[str, Any], entry: IndexEntry | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -55,17 +86,22 @@ class OutputPaths:
     errors: Path
     summary: Path
     job: Path
+    backend_state: Path  # a backend's own state (KeepsState), e.g. the Batch API's batch ids
+    index: Path  # the done-index of the results file
 
     @classmethod
     def from_option(cls, output: Path, errors: Path | None = None) -> OutputPaths:
         """`-o out/` → out/results.jsonl, errors.jsonl, summary.json, job.json;
-        `-o res.jsonl` → res.jsonl, res.errors.jsonl, res.summary.json, res.job.json."""
+        `-o res.jsonl` → res.jsonl, res.errors.jsonl, res.summary.json, res.job.json (and the
+        done-index, results.index / res.index; backend.json / res.backend.json where a backend
+        keeps state)."""
         if output.suffix == ".jsonl":
             stem = output.with_suffix("")
             default_errors = Path(f"{stem}.errors.jsonl")
-            return cls(output, errors or default_errors, Path(f"{stem}.summary.json"), Path(f"{stem}.job.json"))
-        return cls(output / "results.jsonl", errors or output / "errors.jsonl",
-                   output / "summary.json", output / "job.json")
+            return cls(output, errors or default_errors, Path(f"{stem}.summary.json"), Path(f"{stem}.job.json"),
+                       Path(f"{stem}.backend.json"), Path(f"{stem}.index"))
+        return cls(output / "results.jsonl", errors or output / "errors.jsonl", output / "summary.json",
+                   output / "job.json", output / "backend.json", output / "results.index")
 
     @property
     def data_files(self) -> tuple[Path, Path]:
@@ -152,21 +188,24 @@ def usage_of(body: dict[str, Any] | None) -> tuple[int, int, int]:
 
 
 # ---- reading back and repairing ----------------------------------------------------------------
-def repair_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """Read a JSONL file this module wrote; cut a torn tail (no newline, or not JSON) off the file.
+def repair_jsonl(path: Path, start: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """Read a JSONL file this module wrote, from byte `start`; cut a torn tail (no newline, or
+    not JSON) off the file.
 
     Returns the rows and the number of bytes cut. A bad line *before* the last good one is not
     a torn write but a damaged file, and is refused rather than guessed at.
     """
     if not path.exists():
         return [], 0
-    data = path.read_bytes()
+    with path.open("rb") as f:
+        f.seek(start)
+        data = f.read()
     rows: list[dict[str, Any]] = []
-    good_end = 0  # byte offset just past the last good line
+    good_end = 0  # byte offset (in `data`) just past the last good line
     bad_line: int | None = None
-    start = 0
+    offset = 0
     for number, line in enumerate(io.BytesIO(data), start=1):  # split on b"\n" only
-        end = start + len(line)
+        end = offset + len(line)
         row = _parse_row(line)
         if row is not None and line.endswith(b"\n"):
             if bad_line is not None:
@@ -178,18 +217,22 @@ def repair_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
             good_end = end
         elif line.strip() and bad_line is None:
             bad_line = number
-        start = end
+        offset = end
     if good_end < len(data):
-        with path.open("r+b") as f:
-            f.truncate(good_end)
-            os.fsync(f.fileno())
+        _truncate(path, start + good_end)
     return rows, len(data) - good_end
+
+
+def _truncate(path: Path, size: int) -> None:
+    with path.open("r+b") as f:
+        f.truncate(size)
+        os.fsync(f.fileno())
 
 
 def _parse_row(line: bytes) -> dict[str, Any] | None:
     try:
-        row = json.loads(line)
-    except (ValueError, UnicodeDecodeError):
+        row = orjson.loads(line)
+    except orjson.JSONDecodeError:
         return None
     return row if isinstance(row, dict) else None
 
@@ -205,49 +248,149 @@ def rewrite_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def encode_row(row: dict[str, Any]) -> bytes:
-    return (json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+    try:
+        return orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError:  # what orjson does not take (an integer past 64 bits): the standard library does
+        return (json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
 
 
 @dataclass
 class OutputState:
-    """What earlier runs of this job left in the output files."""
+    """What earlier runs of this job left in the output files, as a re-run needs it: which input
+    lines are finished, and the counts the summary adds to this run's."""
 
-    done: set[str] = field(default_factory=set)  # custom_ids with a result
-    ended_by_length: set[str] = field(default_factory=set)  # custom_ids with a result max_tokens ended
-    failed: set[str] = field(default_factory=set)  # custom_ids with a final error
+    done_lines: np.ndarray = field(default_factory=lambda: np.zeros(1, bool))  # [line]: has a result (index)
+    done: int = 0  # rows with a result
+    structured: int = 0  # … of those, asking for a structured output
+    structured_cut: int = 0  # … and answered but ended by max_tokens
+    max_tokens_defaulted: int = 0  # … done rows that gave no max_tokens
+    # Results written before the job had an index (a job begun by an older tokenmill): by
+    # custom_id, with whether max_tokens ended them; matched as the input is read.
+    unindexed: dict[str, bool] = field(default_factory=dict)
+    failed_lines: set[int] = field(default_factory=set)  # lines with a final error
     invalid_lines: set[int] = field(default_factory=set)  # bad input lines already recorded
+    # The custom_id keys of the lines done (in the index), and their lines: a re-run skips them
+    # unread, but a later line with the same id is still a duplicate.
+    seen_keys: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    seen_lines: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint32))
     repaired_bytes: int = 0  # torn tail cut off the files
     retrying: int = 0  # transient errors dropped from the errors file, to be tried again
+
+    def finished(self, line: int) -> bool:
+        """Has a result or a final error: a re-run skips it without reading it."""
+        return (line < len(self.done_lines) and bool(self.done_lines[line])) or line in self.failed_lines
+
+    @property
+    def failed(self) -> int:
+        return len(self.failed_lines)
 
 
 def scan_outputs(paths: OutputPaths) -> OutputState:
     """Repair torn tails, collect what is finished, drop transient errors so they are retried."""
     state = OutputState()
-    results, cut = repair_jsonl(paths.results)
-    state.repaired_bytes += cut
-    state.done = {r["custom_id"] for r in results if isinstance(r.get("custom_id"), str)}
-    state.ended_by_length = {r["custom_id"] for r in results if isinstance(r.get("custom_id"), str)
-                             and finish_reason_of((r.get("response") or {}).get("body")) == "length"}
-    errors, cut = repair_jsonl(paths.errors)
+    if paths.index.exists() and paths.index.stat().st_size >= INDEX_HEADER:
+        records, base, state.repaired_bytes = read_index(paths.index, paths.results)
+        unindexed = _rows_before(paths.results, base)
+    else:  # a new job, or one begun by a tokenmill without the index: what is there is read once
+        unindexed, state.repaired_bytes = repair_jsonl(paths.results)
+        base = paths.results.stat().st_size if paths.results.exists() else 0
+        create_index(paths.index, base)
+        records = np.empty(0, INDEX_RECORD)
+    _count_indexed(state, records)
+    for row in unindexed:
+        if isinstance(row.get("custom_id"), str):
+            state.unindexed[row["custom_id"]] = finish_reason_of((row.get("response") or {}).get("body")) == "length"
+    _scan_errors(state, paths.errors)
+    return state
+
+
+def _rows_before(path: Path, end: int) -> list[dict[str, Any]]:
+    if not end:
+        return []
+    with path.open("rb") as f:
+        data = f.read(end)
+    return [row for line in io.BytesIO(data) if (row := _parse_row(line)) is not None]
+
+
+def _count_indexed(state: OutputState, records: np.ndarray) -> None:
+    lines, flags = records["line"], records["flags"]
+    state.done_lines = np.zeros(int(lines.max(initial=0)) + 1, bool)
+    state.done_lines[lines] = True
+    state.done = len(records)
+    structured = (flags & STRUCTURED) != 0
+    state.structured = int(structured.sum())
+    state.structured_cut = int((structured & ((flags & ENDED_BY_LENGTH) != 0)).sum())
+    state.max_tokens_defaulted = int(((flags & MAX_TOKENS_DEFAULTED) != 0).sum())
+    state.seen_keys, state.seen_lines = records["key"].copy(), lines.copy()
+
+
+def _scan_errors(state: OutputState, path: Path) -> None:
+    errors, cut = repair_jsonl(path)
     state.repaired_bytes += cut
     final = [r for r in errors if is_final(r)]
     if len(final) < len(errors):
         state.retrying = len(errors) - len(final)
-        rewrite_jsonl(paths.errors, final)
+        rewrite_jsonl(path, final)
     for row in final:
+        line = line_of(row)
+        if line is None:
+            continue
         if (row.get("error") or {}).get("code") == INVALID_INPUT:
-            line = line_of(row)
-            if line is not None:
-                state.invalid_lines.add(line)
-        elif isinstance(row.get("custom_id"), str) and row["custom_id"] not in state.done:
-            state.failed.add(row["custom_id"])
-    return state
+            state.invalid_lines.add(line)
+        elif not state.finished(line) and row.get("custom_id") not in state.unindexed:
+            state.failed_lines.add(line)  # read again as the input is (its id is taken then), not run
+
+
+# ---- the done-index --------------------------------------------------------------------------------
+def read_index(index: Path, results: Path) -> tuple[np.ndarray, int, int]:
+    """The done-index's records whose rows are in the results file, the results' length where the
+    index began (rows before it are read by custom_id), and the bytes cut off the results (a torn
+    row, or rows whose records a power cut lost: not known done, so done again)."""
+    size = results.stat().st_size if results.exists() else 0
+    with index.open("rb") as f:
+        header = f.read(INDEX_HEADER)
+        if header[:8] != INDEX_MAGIC:
+            raise JobError(f"{index} is not a tokenmill done-index; delete it (the job then reads its results "
+                           "once to rebuild what it knows) or use --overwrite to start over")
+        base = int.from_bytes(header[8:], "little")
+        records = np.fromfile(f, INDEX_RECORD, (index.stat().st_size - INDEX_HEADER) // INDEX_RECORD.itemsize)
+    kept = _committed(records, base, results, size)
+    if index.stat().st_size != INDEX_HEADER + kept * INDEX_RECORD.itemsize:
+        _truncate(index, INDEX_HEADER + kept * INDEX_RECORD.itemsize)  # records whose rows never made it
+    end = int(records["end"][kept - 1]) if kept else base
+    if size > end:
+        _truncate(results, end)
+    return records[:kept], base, size - end
+
+
+def _committed(records: np.ndarray, base: int, results: Path, size: int) -> int:
+    """How many records, from the first, have their rows in the results: those that end within
+    the file (a kill between a record and its row leaves one that does not), the last of them
+    checked by reading its row back (after a power cut the file may be long enough and hold zeros)."""
+    kept = int(np.searchsorted(records["end"], size, side="right"))
+    with results.open("rb") if results.exists() else io.BytesIO() as f:
+        while kept:
+            start = int(records["end"][kept - 2]) if kept > 1 else base
+            f.seek(start)
+            row = _parse_row(f.read(int(records["end"][kept - 1]) - start))
+            if row is not None and id_key(str(row.get("custom_id"))) == int(records["key"][kept - 1]):
+                break
+            kept -= 1
+    return kept
+
+
+def create_index(index: Path, base: int) -> None:
+    """An empty done-index for a results file `base` bytes long (written atomically)."""
+    index.parent.mkdir(parents=True, exist_ok=True)
+    tmp = index.with_name(index.name + ".tmp")
+    tmp.write_bytes(INDEX_MAGIC + base.to_bytes(8, "little"))
+    os.replace(tmp, index)
 
 
 # ---- appending -----------------------------------------------------------------------------------
 @dataclass
-class JsonlAppender:
-    """Appends rows with one write each; fsyncs at most every `fsync_interval` seconds.
+class Appender:
+    """Appends bytes with one write each; fsyncs at most every `fsync_interval` seconds.
 
     A killed process loses nothing that `write` returned (it is in the OS page cache); fsync only
     matters if the machine itself goes down. Measured in docs/jobs.md: an fsync per line costs
@@ -265,13 +408,18 @@ class JsonlAppender:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._last_sync = time.monotonic()
 
-    def write(self, row: dict[str, Any]) -> None:
-        data = memoryview(encode_row(row))
-        while data:  # a regular file takes it whole; loop only for the odd short write
-            data = data[os.write(self._fd, data):]
+    @property
+    def size(self) -> int:
+        return os.fstat(self._fd).st_size
+
+    def write_bytes(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:  # a regular file takes it whole; loop only for the odd short write
+            view = view[os.write(self._fd, view):]
         self._dirty = True
-        if time.monotonic() - self._last_sync >= self.fsync_interval:
-            self.sync()
+
+    def due(self) -> bool:
+        return time.monotonic() - self._last_sync >= self.fsync_interval
 
     def sync(self) -> None:
         if self._dirty:
@@ -286,18 +434,70 @@ class JsonlAppender:
             self._fd = -1
 
 
+class JsonlAppender(Appender):
+    """Rows, a line each (the errors file; the server's Batch API files)."""
+
+    def write(self, row: dict[str, Any], entry: IndexEntry | None = None) -> None:
+        self.write_bytes(encode_row(row))
+        if self.due():
+            self.sync()
+
+
+class IndexedResults:
+    """The results file and its done-index: each row's record first, then the row (see the module
+    docstring). The index is synced before the rows, so a power cut keeps no row without its record."""
+
+    _pack = np.empty(1, INDEX_RECORD)
+
+    def __init__(self, results: Path, index: Path, fsync_interval: float = 1.0) -> None:
+        self._rows = Appender(results, fsync_interval)
+        self._index = Appender(index, fsync_interval)
+        self._end = self._rows.size
+
+    def write(self, row: dict[str, Any], entry: IndexEntry | None = None) -> None:
+        if entry is None:
+            raise ValueError("a result row needs its index entry")
+        data = encode_row(row)
+        self._end += len(data)
+        record = self._pack
+        record[0] = (entry.line, entry.flags, entry.key, self._end)
+        self._index.write_bytes(record.tobytes())
+        self._rows.write_bytes(data)
+        if self._rows.due():
+            self.sync()
+
+    def sync(self) -> None:
+        self._index.sync()
+        self._rows.sync()
+
+    def close(self) -> None:
+        self._index.close()
+        self._rows.close()
+
+
 # ---- the job's identity --------------------------------------------------------------------------
-def job_record(input_path: Path, input_sha256: str, settings: dict[str, Any]) -> dict[str, Any]:
-    """What job.json holds: the input's hash and the settings that change results."""
-    canonical = json.dumps({"input_sha256": input_sha256, "settings": settings}, sort_keys=True)
+def job_record(input_path: Path, identity: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """What job.json holds: the input's identity (spec.input_identity) and the settings that
+    change results."""
+    canonical = json.dumps({"input": identity, "settings": settings}, sort_keys=True)
     return {
         "version": JOB_VERSION,
         "fingerprint": hashlib.sha256(canonical.encode()).hexdigest(),
         "input": str(input_path),
-        "input_sha256": input_sha256,
+        "input_identity": identity,
         "settings": settings,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def _version_1_fingerprint(input_path: Path, settings: dict[str, Any]) -> str:
+    """A job.json of version 1 named its input by the whole file's sha256."""
+    digest = hashlib.sha256()
+    with input_path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    canonical = json.dumps({"input_sha256": digest.hexdigest(), "settings": settings}, sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def claim_outputs(paths: OutputPaths, job: dict[str, Any], overwrite: bool) -> bool:
@@ -306,7 +506,7 @@ def claim_outputs(paths: OutputPaths, job: dict[str, Any], overwrite: bool) -> b
     Refuses (JobError) when they belong to a different job, or to none we know of.
     """
     if overwrite:
-        for path in (*paths.data_files, paths.summary, paths.job):
+        for path in (*paths.data_files, paths.summary, paths.job, paths.backend_state, paths.index):
             path.unlink(missing_ok=True)
     existing = [p for p in paths.data_files if p.exists() and p.stat().st_size > 0]
     if paths.job.exists():
@@ -314,6 +514,10 @@ def claim_outputs(paths: OutputPaths, job: dict[str, Any], overwrite: bool) -> b
             old = json.loads(paths.job.read_text())
         except ValueError as exc:
             raise JobError(f"{paths.job} is not valid JSON ({exc}); use --overwrite to start over") from None
+        if old.get("version") == 1:
+            if old.get("fingerprint") != _version_1_fingerprint(Path(job["input"]), job["settings"]):
+                raise JobError(_mismatch_message(paths, old, job))
+            return True
         if old.get("fingerprint") != job["fingerprint"]:
             raise JobError(_mismatch_message(paths, old, job))
         return True
@@ -333,15 +537,19 @@ def _setting(value: Any) -> str:
 
 def _mismatch_message(paths: OutputPaths, old: dict[str, Any], new: dict[str, Any]) -> str:
     reasons = []
-    if old.get("input_sha256") != new["input_sha256"]:
+    if "input_identity" in old and old["input_identity"] != new["input_identity"]:
+        was, now = old["input_identity"], new["input_identity"]
         reasons.append(
-            f"the input differs (it was {old.get('input')!r}, sha256 {str(old.get('input_sha256'))[:12]}…; "
-            f"now {new['input']!r}, sha256 {new['input_sha256'][:12]}…)"
+            f"the input differs (it was {old.get('input')!r}, {was.get('size')} bytes, ends sha256 "
+            f"{str(was.get('ends_sha256'))[:12]}…; now {new['input']!r}, {now['size']} bytes, "
+            f"ends sha256 {now['ends_sha256'][:12]}…)"
         )
     old_settings, new_settings = old.get("settings") or {}, new["settings"]
     for key in sorted(old_settings.keys() | new_settings.keys()):
         if old_settings.get(key) != new_settings.get(key):
             reasons.append(f"{key} was {_setting(old_settings.get(key))}, now {_setting(new_settings.get(key))}")
+    if "input_identity" not in old and not reasons:  # version 1: only its whole-file sha256 was kept
+        reasons.append(f"the input differs from the one it was started on ({old.get('input')!r}, by its sha256)")
     return (
         f"{paths.results} belongs to a different job: {'; '.join(reasons) or 'its fingerprint differs'}. "
         "Re-run with the original input and options to resume it, choose another -o, "

@@ -15,19 +15,22 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+UPDATE_EVERY_S = 0.05
+
 
 class JobProgress:
     """`completed` counts the whole job (earlier runs included) so a resumed bar starts part-full."""
 
-    def __init__(self, total: int, done_before: int, console: Console, enabled: bool = True) -> None:
+    def __init__(self, total: int | None, done_before: int, console: Console, enabled: bool = True) -> None:
+        """`total` None: not known yet (the input is counted on the side; `set_total`)."""
         columns = (
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[speed]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
         )
         self._bar = Progress(*columns, console=console, disable=not enabled, transient=False)
         self._task = self._bar.add_task("run", total=total, completed=done_before, speed="")
-        self._start = time.monotonic()
-        self._completion_tokens = 0
+        self._start = self._updated = time.monotonic()
+        self._completion_tokens = self._pending = 0
 
     def __enter__(self) -> JobProgress:
         self._start = time.monotonic()
@@ -37,9 +40,22 @@ class JobProgress:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self._update(time.monotonic())
         self._bar.stop()
 
+    def set_total(self, total: int) -> None:
+        self._bar.update(self._task, total=total)
+
     def advance(self, completion_tokens: int = 0) -> None:
+        """One request finished. The bar itself is updated at most every `UPDATE_EVERY_S`: at
+        thousands of requests a second, drawing each would cost more than sending it."""
         self._completion_tokens += completion_tokens
-        elapsed = max(time.monotonic() - self._start, 1e-9)
-        self._bar.update(self._task, advance=1, speed=f"{self._completion_tokens / elapsed:,.1f} out tok/s")
+        self._pending += 1
+        now = time.monotonic()
+        if now - self._updated >= UPDATE_EVERY_S:
+            self._update(now)
+
+    def _update(self, now: float) -> None:
+        speed = self._completion_tokens / max(now - self._start, 1e-9)
+        self._bar.update(self._task, advance=self._pending, speed=f"{speed:,.1f} out tok/s")
+        self._pending, self._updated = 0, now

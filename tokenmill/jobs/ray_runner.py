@@ -33,7 +33,7 @@ from tokenmill.jobs.backend import (
     SharesMachine,
     StopFlag,
 )
-from tokenmill.jobs.output import WORKER_ERROR, JobError, JobFailed
+from tokenmill.jobs.output import WORKER_ERROR, IndexEntry, JobError, JobFailed
 from tokenmill.jobs.spec import BatchRequest
 from tokenmill.vllm_engine.config import VllmConfig
 
@@ -138,11 +138,11 @@ class RayBackend:
         from ray.data.exceptions import ExecutionTimeoutError
 
         items: list[dict[str, Any]] = []
-        structured: set[str] = set()  # custom_ids asking for a structured output, for the summary
+        # What the rows coming back are written for: their line, and what the summary counts.
+        asked: dict[str, BatchRequest] = {}
         for request in requests:
             items.append(to_item(request))
-            if request.structured:
-                structured.add(request.custom_id)
+            asked[request.custom_id] = request
         totals = BackendStats(replicas=self.options.replicas)
         if not items:
             return totals
@@ -155,7 +155,7 @@ class RayBackend:
                         totals.add(BackendStats(**json.loads(stats)))
                     if custom_id not in written:  # a block re-run after an actor died sends rows again
                         written.add(custom_id)
-                        sink.row(json.loads(row), custom_id in structured)
+                        sink.row(json.loads(row), asked[custom_id])
         except ExecutionTimeoutError as exc:
             raise JobFailed(f"the Ray job made no progress for {self.options.no_progress_timeout_s:g} s "
                             f"({_first_line(exc)}); {len(written)} row(s) written this run are kept. Check "
@@ -309,8 +309,8 @@ def machine_share() -> float:
 class RowList(list[dict[str, Any]]):
     """A `RowWriter` that keeps rows in memory, for a replica to send back."""
 
-    def write(self, row: dict[str, Any]) -> None:
-        self.append(row)
+    def write(self, row: dict[str, Any], entry: IndexEntry | None = None) -> None:
+        self.append(row)  # the driver writes the row, and its index entry, when it comes back
 
 
 def serve_batch(backend: Backend, requests: list[BatchRequest]) -> tuple[list[dict[str, Any]], BackendStats]:

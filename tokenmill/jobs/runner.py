@@ -1,5 +1,5 @@
-"""A job from start to end: validate, claim the output, skip what is done, run the rest on a
-backend, write the summary, return the outcome.
+"""A job from start to end: claim the output, read the input as the backend asks for work
+(skipping what is done), write the summary, return the outcome.
 
 Backends (embedded engine, HTTP endpoint; the contract is in backend.py, the specs that build
 them in backend_specs.py) only turn requests into response bodies and hand them to the
@@ -9,22 +9,23 @@ print at the end, and the exit code, are the caller's (jobs/cli.py).
 
 from __future__ import annotations
 
+import itertools
 import signal
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
 
 from tokenmill.jobs import output
-from tokenmill.jobs.backend import Backend, BackendStats, ResultSink, StopFlag
+from tokenmill.jobs.backend import Backend, BackendStats, KeepsState, ResultSink, StopFlag
 from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.output import JobError, JsonlAppender, OutputPaths, OutputState, scan_outputs
+from tokenmill.jobs.output import IndexedResults, JobError, JsonlAppender, OutputPaths, OutputState, scan_outputs
 from tokenmill.jobs.progress import JobProgress
-from tokenmill.jobs.spec import Entry, InputFile, read_input
+from tokenmill.jobs.spec import Entry, InputStream, count_records, input_identity
 from tokenmill.jobs.summary import JobOutcome, build_summary
-
-MAX_LISTED_ERRORS = 20
+from tokenmill.jobs.work import JobWork, check_every_line, say
 
 
 @contextmanager
@@ -64,72 +65,87 @@ def run_job(
     by the caller to stop the job from another thread (the server's Batch API)."""
     console = console or Console(stderr=True)
     paths = OutputPaths.from_option(config.output, config.errors)
-    spec = read_input(config.input, config.options, config.input_format, backend.check)
-    _check_input(spec, config)
-    settings = {"format": spec.format, "backend": backend.kind, "model": backend.model,
+    stream = InputStream(config.input, config.options, config.input_format, backend.check)
+    if not stream.has_records():
+        raise JobError(f"{config.input}: no requests (the file is empty)")
+    if config.strict:
+        check_every_line(stream)
+    settings = {"format": stream.format, "backend": backend.kind, "model": backend.model,
                 **config.options.fingerprint()}
-    resumed = output.claim_outputs(paths, output.job_record(config.input, spec.sha256, settings), config.overwrite)
+    job = output.job_record(config.input, input_identity(config.input), settings)
+    resumed = output.claim_outputs(paths, job, config.overwrite)
     state = scan_outputs(paths)
-    finished = state.done | state.failed
-    todo = order_entries([e for e in spec.entries if e.custom_id not in finished], config.order)
-    _announce(console, spec, paths, state, resumed, len(todo))
+    if isinstance(backend, KeepsState):
+        backend.keep_state(paths.backend_state)
+    _announce(console, paths, state, resumed)
 
-    results = JsonlAppender(paths.results, config.fsync_interval)
+    results = IndexedResults(paths.results, paths.index, config.fsync_interval)
     errors = JsonlAppender(paths.errors, config.fsync_interval)
     stop = stop or StopFlag()
+    sink = ResultSink(results, errors, None)
+    work = JobWork(stream, state, errors, console, advance=lambda: _advance(sink))
     stats, wall = BackendStats(), 0.0
+    total = _count_on_the_side(stream)
     try:
-        for error in spec.errors:
-            if error.line not in state.invalid_lines:
-                errors.write(output.input_error_row(error))
-        sink = ResultSink(results, errors, None)
-        if todo:
-            with stop_on_signals(stop):
-                _say(console, f"starting the {backend.kind} backend ({backend.model}) for {len(todo)} request(s)")
+        with stop_on_signals(stop):
+            requests = (work.requests() if config.order == "input"
+                        else work.ordered(lambda entries: order_entries(entries, config.order)))
+            first = next(requests, None)  # none: every line is finished, and no model need load
+            if first is not None:
+                say(console, f"starting the {backend.kind} backend ({backend.model})")
                 backend.start()  # backends report their own load time in their stats (an embedded
                 # engine may have loaded already, to check the input)
-                sink.progress = JobProgress(spec.num_lines, spec.num_lines - len(todo), console, config.progress)
+                finished = state.done + len(state.unindexed) + state.failed + len(state.invalid_lines)
+                sink.progress = JobProgress(total.count, finished, console, config.progress)
+                total.on_count = sink.progress.set_total
+                if total.count is not None:  # counted before the bar was there to hear it
+                    sink.progress.set_total(total.count)
                 start = time.monotonic()
                 with sink.progress:
-                    stats = backend.run(spec.requests(todo), sink, stop)
+                    stats = backend.run(itertools.chain([first], requests), sink, stop)
                 wall = time.monotonic() - start
+            else:
+                say(console, "nothing to run: every request already has a result or a final error")
     finally:
         results.close()
         errors.close()
-    outcome = build_summary(config, paths, spec, state, sink, stats, wall, backend, interrupted=stop.requested)
+    if not work.counts.read_to_end:  # stopped early: the rest of the file is counted, not checked
+        total.join()
+        work.counts.records = max(stream.records, total.count or 0)
+    outcome = build_summary(config, paths, work.counts, state, sink, stats, wall, backend, interrupted=stop.requested)
     output.write_json_atomic(paths.summary, outcome.to_json())
     return outcome
 
 
-def _check_input(spec: InputFile, config: JobConfig) -> None:
-    if spec.num_lines == 0:
-        raise JobError(f"{config.input}: no requests (the file is empty)")
-    if spec.errors and config.strict:
-        listed = "\n".join(f"  {e.message}" for e in spec.errors[:MAX_LISTED_ERRORS])
-        more = len(spec.errors) - MAX_LISTED_ERRORS
-        raise JobError(
-            f"{config.input}: {len(spec.errors)} bad line(s), nothing was run (--strict):\n{listed}"
-            + (f"\n  … and {more} more" if more > 0 else "")
-        )
+def _advance(sink: ResultSink) -> None:
+    if sink.progress is not None:
+        sink.progress.advance()
 
 
-def _announce(
-    console: Console, spec: InputFile, paths: OutputPaths, state: OutputState, resumed: bool, todo: int
-) -> None:
-    if spec.errors:
-        _say(console, f"{len(spec.errors)} bad line(s) → {paths.errors}:")
-        for error in spec.errors[:MAX_LISTED_ERRORS]:
-            _say(console, f"  {error.message}")
-        if len(spec.errors) > MAX_LISTED_ERRORS:
-            _say(console, f"  … and {len(spec.errors) - MAX_LISTED_ERRORS} more")
+class _RecordCount(threading.Thread):
+    """The input's requests, counted on a thread while the job starts: the progress bar's total."""
+
+    def __init__(self, stream: InputStream) -> None:
+        super().__init__(name="tokenmill-count", daemon=True)
+        self.stream = stream
+        self.count: int | None = None
+        self.on_count: Callable[[int], None] | None = None
+
+    def run(self) -> None:
+        self.count = count_records(self.stream.path, self.stream.format)
+        if self.on_count is not None:
+            self.on_count(self.count)
+
+
+def _count_on_the_side(stream: InputStream) -> _RecordCount:
+    thread = _RecordCount(stream)
+    thread.start()
+    return thread
+
+
+def _announce(console: Console, paths: OutputPaths, state: OutputState, resumed: bool) -> None:
     if state.repaired_bytes:
-        _say(console, f"repaired a torn last line ({state.repaired_bytes} bytes cut) in the output")
+        say(console, f"repaired a torn last line ({state.repaired_bytes} bytes cut) in the output")
     if resumed:
-        _say(console, f"resuming: {len(state.done)} done, {len(state.failed)} failed for good, "
-                      f"{state.retrying} transient failure(s) to retry; {todo} request(s) to run")
-    if not todo:
-        _say(console, "nothing to run: every request already has a result or a final error")
-
-
-def _say(console: Console, text: str) -> None:
-    console.print(text, markup=False, highlight=False, soft_wrap=True)
+        say(console, f"resuming: {state.done + len(state.unindexed)} done, {state.failed} failed for good, "
+                     f"{state.retrying} transient failure(s) to retry")

@@ -1,4 +1,4 @@
-"""Reading a job's input: every line checked before any work, each good line a `BatchRequest`.
+"""Reading a job's input: each line checked when it is reached, each good line a `BatchRequest`.
 
 Four input forms, all turned into OpenAI batch requests (`custom_id`, `url`, `body`):
 
@@ -11,9 +11,11 @@ Four input forms, all turned into OpenAI batch requests (`custom_id`, `url`, `bo
 `DocumentOptions` say how a document (a text line or a `prompt`) becomes a request, and fill
 `max_tokens` / `temperature` / `model` / a structured output into every body that lacks them.
 
-The validation pass keeps only a small `Entry` per good line (its byte offset, id and a size
-estimate), not the request itself, so a million-line file does not sit in memory; the work
-pass re-reads each line when it is about to run.
+A job reads its input once, as an `InputStream`: a line is parsed, checked and sent in one go,
+so the first request leaves within a second of the start whatever the file's size, and what is
+kept per line is its custom_id's 8-byte key (for duplicates). Where the whole file must be
+checked first (`--strict`, length buckets, choose's sample), `read_input` keeps a small `Entry`
+per good line (its byte offset, id and a size estimate) and the work pass re-reads each line.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ from functools import cached_property, partial
 from pathlib import Path
 from typing import IO, Any
 
+import orjson
+
 from tokenmill.engine import DEFAULT_MAX_TOKENS
+from tokenmill.jobs.seen_ids import SeenIds
 from tokenmill.openai_compat import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -45,6 +50,8 @@ TEXT_SUFFIXES = (".txt", ".text", ".md")
 CSV_DELIMITERS = {".csv": ",", ".tsv": "\t"}  # by suffix; any other file read as CSV is comma-separated
 PROMPT_COLUMNS = ("prompt", "text")  # a CSV's prompt column when --prompt-column names none
 ID_COLUMNS = ("custom_id", "id")  # … and its id column, if it has one
+_DIGITS_AS_ZERO, _LONG_NUMBER = bytes.maketrans(b"0123456789", b"0" * 10), b"0" * 20
+IDENTITY_SAMPLE = 1 << 20  # bytes hashed at each end of the input to name it (input_identity)
 
 
 class LineError(ValueError):
@@ -108,7 +115,7 @@ class BatchRequest:
     def max_tokens(self) -> int:
         return requested_max_tokens(self.body)
 
-    @property
+    @cached_property
     def structured(self) -> bool:
         """Asks for a structured output (its answer is cut short, not valid, if it ends by max_tokens)."""
         return bool(structured_outputs_fields(self.body))
@@ -176,8 +183,8 @@ class _Record:
     line: int
     offset: int
     size: int  # bytes
-    parse: Callable[[dict[str, int]], BatchRequest]  # raises LineError
-    readable_id: str | None  # for the error row when it does not parse
+    parse: Callable[[SeenIds], BatchRequest]  # raises LineError
+    readable_id: Callable[[], str | None]  # for the error row when it does not parse (read only then)
 
 
 def read_input(
@@ -186,37 +193,102 @@ def read_input(
     input_format: str = "auto",
     check: Callable[[BatchRequest], None] | None = None,
 ) -> InputFile:
-    """Check every line; `check` adds the backend's own rules (it raises ValueError)."""
-    if not path.is_file():
-        raise FileNotFoundError(f"input file {str(path)!r} not found")
-    if input_format not in FORMATS:
-        raise ValueError(f"--input-format must be one of {FORMATS}, got {input_format!r}")
-    fmt = detect_format(path) if input_format == "auto" else input_format
-    result = InputFile(path, fmt, "", options)
+    """Check every line, keeping an `Entry` for each good one; `check` adds the backend's own
+    rules (it raises ValueError). For a whole pass before any work: `--strict`, length buckets,
+    `tokenmill choose`'s sample, the server's Batch API. A job reads its input as an `InputStream`."""
+    stream = InputStream(path, options, input_format, check)
+    result = InputFile(path, stream.format, "", options)
     digest = hashlib.sha256()
-    first_seen: dict[str, int] = {}
-    with path.open("rb") as f:
-        lines = _TextLines(f, digest)
-        records = _csv_records(lines, result) if fmt == "csv" else _line_records(lines, result)
-        for record in records:
-            try:
-                request = record.parse(first_seen)
-            except LineError as exc:
-                result.errors.append(InputError(record.line, record.readable_id, str(exc)))
-                continue
-            try:
-                if check is not None:
-                    check(request)  # the backend's own rules
-            except ValueError as exc:
-                result.errors.append(InputError(record.line, request.custom_id, str(exc)))
-                continue
-            cost = record.size // 4 + request.max_tokens
-            result.entries.append(Entry(record.line, record.offset, request.custom_id, cost, request.structured,
-                                        request.max_tokens_defaulted))
-        for _ in lines:  # the digest covers the whole file, blank lines after the last record too
-            pass
-    result.sha256 = digest.hexdigest()
+    for item in stream.read(digest=digest):
+        if isinstance(item, InputError):
+            result.errors.append(item)
+            continue
+        record, request = item
+        cost = record.size // 4 + request.max_tokens
+        result.entries.append(Entry(record.line, record.offset, request.custom_id, cost, request.structured,
+                                    request.max_tokens_defaulted))
+    result.sha256, result.csv_layout = digest.hexdigest(), stream.csv_layout
     return result
+
+
+def count_records(path: Path, fmt: str) -> int:
+    """The input's non-blank lines, less a CSV's header: its requests, for the progress bar's
+    total and a stopped job's summary (a CSV field over several lines counts more than once)."""
+    with path.open("rb") as f:
+        lines = sum(1 for line in f if not line.isspace())
+    return max(0, lines - 1) if fmt == "csv" else lines
+
+
+def input_identity(path: Path) -> dict[str, Any]:
+    """What names a job's input without reading all of it: its size, and the sha256 of its first
+    and last MiB. (A whole-file hash would hold the first request back by a second a GB.) An
+    edit that keeps the size and both ends goes unnoticed; docs/jobs.md says so."""
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        digest.update(f.read(IDENTITY_SAMPLE))
+        if size > IDENTITY_SAMPLE:
+            f.seek(max(IDENTITY_SAMPLE, size - IDENTITY_SAMPLE))
+            digest.update(f.read())
+    return {"size": size, "ends_sha256": digest.hexdigest()}
+
+
+class InputStream:
+    """The input read front to back, each record parsed and checked when it is reached: a job's
+    first request goes out as soon as its line is read, and memory does not grow with the file
+    (the ids seen are kept in `SeenIds`, ~12 bytes each)."""
+
+    def __init__(
+        self, path: Path, options: DocumentOptions, input_format: str = "auto",
+        check: Callable[[BatchRequest], None] | None = None,
+    ) -> None:
+        if not path.is_file():
+            raise FileNotFoundError(f"input file {str(path)!r} not found")
+        if input_format not in FORMATS:
+            raise ValueError(f"--input-format must be one of {FORMATS}, got {input_format!r}")
+        self.path, self.options, self.check = path, options, check
+        self.format = detect_format(path) if input_format == "auto" else input_format
+        self.csv_layout: CsvLayout | None = None  # a CSV's header, once read
+        self.seen = SeenIds()
+        self.records = 0  # requests read so far, good and bad, skipped ones too
+        self.done = False  # read to the end
+
+    def read(
+        self, skip: Callable[[int], bool] | None = None, digest: Any = None
+    ) -> Iterator[tuple[_Record, BatchRequest] | InputError]:
+        """Each good record with its request, each bad one as an `InputError`; a record whose line
+        `skip` names (done in an earlier run) is counted but not parsed. `digest` sees every byte."""
+        with self.path.open("rb") as f:
+            lines = _TextLines(f, digest)
+            records = _csv_records(lines, self) if self.format == "csv" else _line_records(lines, self)
+            for record in records:
+                self.records += 1
+                if skip is not None and skip(record.line):
+                    continue
+                yield self._parse(record)
+            for _ in lines:  # a digest covers the whole file, blank lines after the last record too
+                pass
+        self.done = True
+
+    def has_records(self) -> bool:
+        """Whether the input holds any request at all (read up to its first)."""
+        records = InputStream(self.path, self.options, self.format).read()
+        try:
+            return next(records, None) is not None
+        finally:
+            records.close()
+
+    def _parse(self, record: _Record) -> tuple[_Record, BatchRequest] | InputError:
+        try:
+            request = record.parse(self.seen)
+        except LineError as exc:
+            return InputError(record.line, record.readable_id(), str(exc))
+        try:
+            if self.check is not None:
+                self.check(request)  # the backend's own rules
+        except ValueError as exc:
+            return InputError(record.line, request.custom_id, str(exc))
+        return record, request
 
 
 class _TextLines:
@@ -244,15 +316,15 @@ class _TextLines:
         return raw.decode("utf-8", errors="surrogateescape")
 
 
-def _line_records(lines: _TextLines, spec: InputFile) -> Iterator[_Record]:
+def _line_records(lines: _TextLines, spec: InputStream) -> Iterator[_Record]:
     for _ in lines:
         number, raw = lines.count, lines.raw
         if raw.strip():  # blank lines are not requests
-            yield _Record(number, lines.offset - len(raw), len(raw),
-                          partial(parse_line, raw, number, spec.format, spec.options), _readable_id(raw, spec.format))
+            parse = partial(parse_line, raw, number, spec.format, spec.options)
+            yield _Record(number, lines.offset - len(raw), len(raw), parse, partial(_readable_id, raw, spec.format))
 
 
-def _csv_records(lines: _TextLines, spec: InputFile) -> Iterator[_Record]:
+def _csv_records(lines: _TextLines, spec: InputStream) -> Iterator[_Record]:
     """The header (into `spec.csv_layout`; ValueError for the whole file if it names no prompt
     column), then a `_Record` per non-blank record."""
     reader = csv.reader(lines, delimiter=CSV_DELIMITERS.get(spec.path.suffix.lower(), ","))
@@ -263,7 +335,7 @@ def _csv_records(lines: _TextLines, spec: InputFile) -> Iterator[_Record]:
         except StopIteration:
             return
         except csv.Error as exc:
-            yield _Record(first_line, start, 0, _refuse(f"not CSV ({exc})"), None)
+            yield _Record(first_line, start, 0, _refuse(f"not CSV ({exc})"), lambda: None)
             continue
         if not any(value.strip() for value in fields):
             continue
@@ -272,11 +344,11 @@ def _csv_records(lines: _TextLines, spec: InputFile) -> Iterator[_Record]:
             continue
         yield _Record(first_line, start, lines.offset - start,
                       partial(spec.csv_layout.request, fields, first_line, spec.options),
-                      spec.csv_layout.readable_id(fields))
+                      partial(spec.csv_layout.readable_id, fields))
 
 
-def _refuse(reason: str) -> Callable[[dict[str, int]], BatchRequest]:
-    def parse(seen: dict[str, int]) -> BatchRequest:
+def _refuse(reason: str) -> Callable[[SeenIds], BatchRequest]:
+    def parse(seen: SeenIds) -> BatchRequest:
         raise LineError(reason)
     return parse
 
@@ -324,7 +396,7 @@ class CsvLayout:
         return fields[self.id].strip() if _is_utf8(fields[self.id]) else None
 
     def request(
-        self, fields: list[str], number: int, options: DocumentOptions, first_seen: dict[str, int] | None = None
+        self, fields: list[str], number: int, options: DocumentOptions, first_seen: SeenIds | None = None
     ) -> BatchRequest:
         if len(fields) != len(self.columns):
             raise LineError(f"{len(fields)} field(s), the header has {len(self.columns)}")
@@ -334,7 +406,8 @@ class CsvLayout:
         custom_id = f"line-{number}" if self.id is None else fields[self.id].strip()
         if not custom_id:
             raise LineError(f"empty id in column {self.columns[self.id or 0]!r}")
-        _check_unique(custom_id, number, first_seen)
+        if self.id is not None:  # ids from line numbers are unique as they are
+            _check_unique(custom_id, number, first_seen)
         request = _document_request(number, custom_id, self.prompt_of(fields), options)
         metadata = {name: value for i, (name, value) in enumerate(zip(self.columns, fields, strict=True))
                     if i not in (self.prompt, self.id)}
@@ -377,14 +450,13 @@ def parse_line(
     number: int,
     fmt: str,
     options: DocumentOptions,
-    first_seen: dict[str, int] | None = None,
+    first_seen: SeenIds | None = None,
 ) -> BatchRequest:
     """One input line → a request; raises LineError. `first_seen` collects ids for duplicates."""
     if fmt == "csv":
         raise ValueError("a CSV record is parsed by its CsvLayout, not as a line")
-    if fmt == "text":
+    if fmt == "text":  # ids from line numbers are unique as they are: no need to keep them
         custom_id = f"line-{number}"
-        _check_unique(custom_id, number, first_seen)
         return _document_request(number, custom_id, decode_line(raw, number).strip(), options)
     obj = json_object_line(raw, number)
     if fmt == "batch":
@@ -404,13 +476,23 @@ def decode_line(raw: bytes, number: int) -> str:
 def json_object_line(raw: bytes, number: int) -> dict[str, Any]:
     """A JSONL line's object; LineError saying where it is not one (also for a blank line)."""
     text = decode_line(raw, number)
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise LineError(f"not JSON ({_where(exc, text)})") from None
+    if _LONG_NUMBER in raw.translate(_DIGITS_AS_ZERO):  # orjson would read an integer past 64 bits as a float
+        obj = _stdlib_json(text)
+    else:
+        try:
+            obj = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            obj = _stdlib_json(text)  # what orjson refuses (NaN, Infinity) may still be JSON; its errors say where
     if not isinstance(obj, dict):
         raise LineError(f"expected a JSON object, got {_json_type(obj)}")
     return obj
+
+
+def _stdlib_json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise LineError(f"not JSON ({_where(exc, text)})") from None
 
 
 def _where(exc: json.JSONDecodeError, text: str) -> str:
@@ -422,7 +504,7 @@ def _where(exc: json.JSONDecodeError, text: str) -> str:
 
 
 def _batch_request(
-    number: int, obj: dict[str, Any], options: DocumentOptions, first_seen: dict[str, int] | None
+    number: int, obj: dict[str, Any], options: DocumentOptions, first_seen: SeenIds | None
 ) -> BatchRequest:
     custom_id = _require(obj, "custom_id")
     if not isinstance(custom_id, str) or not custom_id:
@@ -441,7 +523,7 @@ def _batch_request(
 
 
 def _simple_request(
-    number: int, obj: dict[str, Any], options: DocumentOptions, first_seen: dict[str, int] | None
+    number: int, obj: dict[str, Any], options: DocumentOptions, first_seen: SeenIds | None
 ) -> BatchRequest:
     raw_id = obj.get("id", f"line-{number}")
     if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)) or raw_id == "":
@@ -543,12 +625,9 @@ def _require(obj: dict[str, Any], name: str) -> Any:
     return obj[name]
 
 
-def _check_unique(custom_id: str, number: int, first_seen: dict[str, int] | None) -> None:
-    if first_seen is None:
-        return
-    if custom_id in first_seen:
-        raise LineError(f"duplicate custom_id {json.dumps(custom_id)} (first seen on line {first_seen[custom_id]})")
-    first_seen[custom_id] = number
+def _check_unique(custom_id: str, number: int, first_seen: SeenIds | None) -> None:
+    if first_seen is not None and (first := first_seen.add(custom_id, number)) is not None:
+        raise LineError(f"duplicate custom_id {json.dumps(custom_id)} (first seen on line {first})")
 
 
 def _readable_id(raw: bytes, fmt: str) -> str | None:

@@ -22,7 +22,7 @@ from tokenmill.cost import millions_per_usd, usd_for, usd_per_million
 from tokenmill.jobs.backend import Backend, BackendStats, ResultSink
 from tokenmill.jobs.config import JobConfig
 from tokenmill.jobs.output import OutputPaths, OutputState
-from tokenmill.jobs.spec import InputFile
+from tokenmill.jobs.work import InputCounts
 
 
 @dataclass
@@ -122,7 +122,7 @@ class JobOutcome:
 def build_summary(
     config: JobConfig,
     paths: OutputPaths,
-    spec: InputFile,
+    counts: InputCounts,
     state: OutputState,
     sink: ResultSink,
     stats: BackendStats,
@@ -130,16 +130,16 @@ def build_summary(
     backend: Backend,
     interrupted: bool,
 ) -> JobOutcome:
-    valid = {e.custom_id for e in spec.entries}
-    done = len(state.done & valid) + sink.done
-    failed = len(spec.errors) + len(state.failed & valid) + sink.failed
-    structured = [e.custom_id for e in spec.entries if e.structured]
+    """`counts` covers the lines this run read; `state` the ones earlier runs finished (which this
+    run skipped unread)."""
+    done = state.done + counts.done_unindexed + sink.done
+    failed = counts.invalid + counts.failed_before + sink.failed
     requests = RequestCounts(
-        total=spec.num_lines, done=done, failed=failed, not_done=spec.num_lines - done - failed,
-        invalid_lines=len(spec.errors), retryable=sink.transient,
-        done_this_run=sink.done, failed_this_run=sink.failed, structured=len(structured),
-        structured_cut=sum(1 for custom_id in structured if custom_id in state.ended_by_length) + sink.structured_cut,
-        max_tokens_defaulted=sum(1 for e in spec.entries if e.max_tokens_defaulted),
+        total=counts.records, done=done, failed=failed, not_done=max(0, counts.records - done - failed),
+        invalid_lines=counts.invalid, retryable=sink.transient,
+        done_this_run=sink.done, failed_this_run=sink.failed, structured=state.structured + counts.structured,
+        structured_cut=state.structured_cut + counts.structured_cut_unindexed + sink.structured_cut,
+        max_tokens_defaulted=state.max_tokens_defaulted + counts.max_tokens_defaulted,
         default_max_tokens=config.options.default_max_tokens,
     )
     engine = EngineCounts(

@@ -1,0 +1,543 @@
+"""Half-price batches: a job submitted through an OpenAI-compatible Batch API (`/v1/files` +
+`/v1/batches`): OpenAI's own, which bills a batch at half the price of live requests, or
+`tokenmill serve`.
+
+The requests are cut into parts within the API's limits (batch_parts.py). For each part: record
+it (its input lines, "uploading") in the state file, upload it, record the file id, create the
+batch (its metadata names the job's key and the part's number), record the batch id. Then every
+part is polled until its batch is final, its output and error files are downloaded, each row
+goes to the sink, and the part is marked merged.
+
+Exactly once, whatever moment a `kill -9` lands:
+- a row reaches the job's files only through the sink, and a re-run is given only the requests
+  without a row (the runner skips the rest);
+- a part is recorded before its upload starts, so a batch can only exist for a recorded part; a
+  recorded part without a batch id (killed between creating the batch and recording its id) is
+  looked up on the server by its metadata and adopted, else submitted anew;
+- a re-run's requests that belong to a recorded, unmerged part are held for that part's batch
+  (which is still answering them), never sent again; only the others form new parts;
+- a merge hands over only the requests this run was given, so one cut short by a kill is
+  finished by the next run, not repeated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import re
+import secrets
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+import httpx
+
+from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
+from tokenmill.jobs.batch_parts import (
+    OPENAI_MAX_BYTES,
+    OPENAI_MAX_REQUESTS,
+    OpenPart,
+    PartSplitter,
+    batch_line,
+    check_limits,
+    too_big,
+)
+from tokenmill.jobs.output import JobError, JobFailed
+from tokenmill.jobs.spec import BatchRequest
+
+T = TypeVar("T")
+
+STATE_VERSION = 1
+FINAL_STATUSES = frozenset({"completed", "failed", "expired", "cancelled"})
+UPLOADING, UPLOADED, SUBMITTED, MERGED = "uploading", "uploaded", "submitted", "merged"  # a part's life
+LIST_PAGE = 100  # batches per `GET /v1/batches` page (OpenAI's most)
+# Batches are listed newest first: paging stops at those created this long before the part was
+# recorded (none of them can be its batch; the slack covers a server clock that runs behind ours).
+ADOPT_SLACK_S = 3600.0
+BASE_DELAY_S, MAX_DELAY_S = 0.5, 30.0  # backoff of a failed control call: doubled each try, capped
+TOO_LARGE = "request_too_large"  # final; not "invalid_input", which the runner keys by line, not id
+# What a request that its batch did not answer gets: transient codes, so a re-run tries it again.
+UNANSWERED = {"expired": "timeout", "failed": "server_error", "cancelled": "server_error",
+              "completed": "server_error"}
+# Row codes from the server that mean something else in this job's files.
+RENAMED_CODES = {"batch_expired": "timeout",  # the completion window closed on it: worth another try
+                 "invalid_input": "http_400"}  # the server refused the line: final, like a live 400
+_LINE_PREFIX = re.compile(r"^line \d+: ")  # the server's line in its part, not ours
+
+
+@dataclass(frozen=True)
+class BatchApiSpec:
+    """A job sent through `url`'s Batch API. `model`: the name set in every body (None: each
+    row's own); the part limits default to OpenAI's."""
+
+    url: str
+    model: str | None = None
+    api_key: str | None = None
+    poll_s: float = 30.0  # seconds between status checks of the batches in flight
+    completion_window: str = "24h"  # the one OpenAI accepts
+    max_requests_per_part: int = OPENAI_MAX_REQUESTS
+    max_bytes_per_part: int = OPENAI_MAX_BYTES
+    timeout_s: float = 600.0  # per HTTP attempt
+    retry_for_s: float = 600.0  # how long a failing upload / create / poll keeps being retried
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"--endpoint must be an http:// or https:// URL, got {self.url!r}")
+        if self.poll_s <= 0:
+            raise ValueError(f"--poll-interval must be positive, got {self.poll_s:g}")
+        check_limits(self.max_requests_per_part, self.max_bytes_per_part,
+                     "--max-requests-per-part", "--max-bytes-per-part")
+        if self.timeout_s <= 0:
+            raise ValueError(f"--timeout must be positive, got {self.timeout_s:g}")
+        if self.retry_for_s < 0:
+            raise ValueError(f"--retry-for must be >= 0, got {self.retry_for_s:g}")
+
+
+# ---- the state file ------------------------------------------------------------------------------
+@dataclass
+class PartRecord:
+    """One part as the state file keeps it."""
+
+    number: int
+    url: str  # the batch's endpoint: every line of a part has this url
+    lines: list[int]  # input line numbers (emptied once merged: nothing is held for it any more)
+    recorded_at: float  # Unix time; bounds the search for its batch
+    status: str = UPLOADING
+    file_id: str | None = None
+    batch_id: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "lines": line_ranges(self.lines)}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> PartRecord:
+        lines = [n for start, end in obj["lines"] for n in range(start, end + 1)]
+        return cls(**{**obj, "lines": lines})
+
+
+def line_ranges(lines: list[int]) -> list[list[int]]:
+    """[1, 2, 3, 7] → [[1, 3], [7, 7]]: a part's lines are mostly runs, and the file is rewritten often."""
+    ranges: list[list[int]] = []
+    for n in sorted(set(lines)):
+        if ranges and ranges[-1][1] == n - 1:
+            ranges[-1][1] = n
+        else:
+            ranges.append([n, n])
+    return ranges
+
+
+def job_key(path: Path, token: str) -> str:
+    """The tag on every batch of one job: its state file's path and a random token, so two jobs
+    (two outputs, or one output started over with --overwrite) never adopt each other's batches."""
+    return "tm-" + hashlib.sha256(f"{path.resolve()}\0{token}".encode()).hexdigest()[:24]
+
+
+def part_metadata(key: str, number: int) -> dict[str, str]:
+    """The metadata a part's batch is created with, and found by."""
+    return {"tokenmill_job": key, "tokenmill_part": str(number)}
+
+
+@dataclass
+class BatchState:
+    """The job's parts, kept in a JSON file beside its output and rewritten (atomically) at every
+    step of a part, so a re-run knows every batch this job may have created."""
+
+    path: Path
+    url: str  # the server the batches were submitted to
+    key: str
+    parts: dict[int, PartRecord] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, path: Path, url: str) -> BatchState:
+        """The job's state, created (with a new key) on its first run. JobError when the file is
+        unreadable, or names another server while it still has batches there to collect."""
+        if not path.exists():
+            state = cls(path, url, job_key(path, secrets.token_hex(16)))
+            state.save()
+            return state
+        try:
+            doc = json.loads(path.read_text())
+            parts = {p["number"]: PartRecord.from_json(p) for p in doc["parts"]}
+            state = cls(path, doc["url"], doc["job_key"], parts)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise JobError(f"{path} is not a Batch API state file ({exc}); use --overwrite to start over") from None
+        waiting = [p.number for p in state.unmerged()]
+        if state.url != url and waiting:
+            raise JobError(f"{path}: part(s) {', '.join(map(str, waiting))} of this job were submitted to "
+                           f"{state.url}, not {url}: re-run with --endpoint {state.url} to collect them")
+        state.url = url
+        return state
+
+    def unmerged(self) -> list[PartRecord]:
+        return [p for p in self.parts.values() if p.status != MERGED]
+
+    def next_number(self) -> int:
+        return max(self.parts, default=0) + 1
+
+    def record(self, part: PartRecord) -> None:
+        self.parts[part.number] = part
+        self.save()
+
+    def update(self, part: PartRecord, **changes: Any) -> None:
+        for name, value in changes.items():
+            setattr(part, name, value)
+        if part.status == MERGED:
+            part.lines = []
+        self.save()
+
+    def save(self) -> None:
+        doc = {"version": STATE_VERSION, "url": self.url, "job_key": self.key,
+               "parts": [p.to_json() for p in sorted(self.parts.values(), key=lambda p: p.number)]}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with tmp.open("w") as f:
+            f.write(json.dumps(doc, indent=1) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)  # a kill leaves the old state or the new one, never half of one
+
+
+# ---- the API ----------------------------------------------------------------------------------------
+class Stopped(Exception):
+    """The job was asked to stop while waiting (Ctrl-C, SIGTERM)."""
+
+
+class _Transient(Exception):
+    """A control call that failed in a way worth another try (429, 5xx, a reply that is not JSON)."""
+
+
+class BatchApiClient:
+    """The Batch API's calls, each retried with backoff on 429s, 5xx, timeouts and lost
+    connections for up to `retry_for` seconds (then JobFailed: a re-run resumes); any other 4xx
+    is JobFailed at once (a wrong key or URL will not fix itself)."""
+
+    def __init__(self, client: httpx.Client, stop: StopFlag, retry_for: float) -> None:
+        self.client, self.stop, self.retry_for = client, stop, retry_for
+
+    def upload(self, file: IO[bytes], filename: str) -> str:
+        def attempt() -> Any:
+            file.seek(0)  # a retry sends the whole file again
+            return _json(self.client.post("/v1/files", files={"file": (filename, file, "application/jsonl")},
+                                          data={"purpose": "batch"}))
+
+        return str(self._retrying(f"uploading {filename}", attempt)["id"])
+
+    def create(self, body: dict[str, Any], find: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
+        """Create a batch. Before a retry, `find` asks whether the failed try created it after all
+        (its reply lost): a second one would run the part twice."""
+        return self._retrying("creating a batch", lambda: _json(self.client.post("/v1/batches", json=body)), find)
+
+    def get(self, batch_id: str) -> dict[str, Any]:
+        return self._retrying(f"checking batch {batch_id}", lambda: _json(self.client.get(f"/v1/batches/{batch_id}")))
+
+    def find(self, metadata: dict[str, str], since: float) -> dict[str, Any] | None:
+        """The newest batch whose metadata holds `metadata`, among those created after `since`."""
+        after: str | None = None
+        while True:
+            page = self._retrying("listing batches", partial(self._list_page, after))
+            data = page.get("data") or []
+            for batch in data:
+                if metadata.items() <= (batch.get("metadata") or {}).items():
+                    return batch
+            if not page.get("has_more") or not data or (data[-1].get("created_at") or 0) < since:
+                return None
+            after = data[-1]["id"]
+
+    def _list_page(self, after: str | None) -> dict[str, Any]:
+        params: dict[str, Any] = {"limit": LIST_PAGE, **({"after": after} if after else {})}
+        return _json(self.client.get("/v1/batches", params=params))
+
+    def rows(self, file_id: str) -> Iterator[dict[str, Any]]:
+        """An output or error file's rows, downloaded whole first (a dropped download is retried
+        from the start; the rows it had are not handed over twice)."""
+        with tempfile.TemporaryFile() as f:
+            def attempt() -> None:
+                f.seek(0)
+                f.truncate()
+                with self.client.stream("GET", f"/v1/files/{file_id}/content") as reply:
+                    if reply.status_code >= 400:
+                        reply.read()
+                        _json(reply)  # raises, naming the failure
+                    for chunk in reply.iter_bytes():
+                        f.write(chunk)
+
+            self._retrying(f"downloading {file_id}", attempt)
+            f.seek(0)
+            for line in f:
+                if line.strip():
+                    yield json.loads(line)
+
+    def _retrying(self, what: str, attempt: Callable[[], T], find: Callable[[], T | None] | None = None) -> T:
+        started = time.monotonic()
+        for tries in itertools.count(1):
+            try:
+                return attempt()
+            except (_Transient, httpx.TransportError) as exc:
+                problem = f"{type(exc).__name__}: {exc}" if isinstance(exc, httpx.TransportError) else str(exc)
+            delay = min(MAX_DELAY_S, BASE_DELAY_S * 2 ** (tries - 1))
+            spent = time.monotonic() - started
+            if spent + delay > self.retry_for:
+                raise JobFailed(f"{what}: {problem} (gave up after {tries} attempt(s) in {spent:.0f} s, "
+                                "--retry-for); every batch submitted is recorded: re-run the same command to resume")
+            say(f"{what}: {problem}; trying again in {delay:.1f} s")
+            if sleep_unless(self.stop, delay):
+                raise Stopped
+            if find is not None and (found := find()) is not None:
+                return found
+        raise AssertionError("unreachable")
+
+
+def _json(reply: httpx.Response) -> Any:
+    """The reply's JSON; _Transient for what a retry may fix, JobFailed for what it will not."""
+    if reply.status_code == 429 or reply.status_code >= 500:
+        raise _Transient(f"HTTP {reply.status_code}: {_error_message(reply)}")
+    if reply.status_code >= 400:
+        raise JobFailed(f"{reply.request.method} {reply.request.url.path}: HTTP {reply.status_code}: "
+                        f"{_error_message(reply)}")
+    try:
+        return reply.json()
+    except ValueError:
+        raise _Transient(f"HTTP {reply.status_code} with a body that is not JSON") from None
+
+
+def _error_message(reply: httpx.Response) -> str:
+    try:
+        error = reply.json().get("error")
+    except (ValueError, AttributeError):
+        error = None
+    if isinstance(error, dict) and error.get("message"):
+        return str(error["message"])
+    return reply.text.strip()[:300] or "(empty body)"
+
+
+# ---- rows back into the job -----------------------------------------------------------------------
+def hand_row(sink: ResultSink, request: BatchRequest, row: dict[str, Any]) -> bool:
+    """One row of a batch's output or error file → the sink, coded as the endpoint backend codes a
+    live reply. True for a result."""
+    response = row.get("response") or {}
+    error = row.get("error")
+    if error:
+        code = str(error.get("code") or "batch_error")
+        message = _LINE_PREFIX.sub("", str(error.get("message") or ""))
+        if code in RENAMED_CODES:
+            code, message = RENAMED_CODES[code], f"{code}: {message}"
+        sink.error(request, code, message, response or None)
+        return False
+    status, body = response.get("status_code"), response.get("body")
+    if status == 200 and isinstance(body, dict) and isinstance(body.get("choices"), list):
+        sink.result(request, body, response.get("request_id"))
+        return True
+    if status == 200:
+        sink.error(request, "bad_response", "HTTP 200 without a completion body", response)
+        return False
+    code = "rate_limited" if status == 429 else "server_error" if not isinstance(status, int) or status >= 500 \
+        else f"http_{status}"
+    error = body.get("error") if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else error
+    sink.error(request, code, f"HTTP {status}: {message or json.dumps(body)[:300]}", response)
+    return False
+
+
+def say(text: str) -> None:
+    print(f"tokenmill run: {text}", file=sys.stderr)  # above the progress bar (rich redirects stderr)
+
+
+def sleep_unless(stop: StopFlag, seconds: float) -> bool:
+    """Sleep, a little at a time; True as soon as a stop is asked for."""
+    deadline = time.monotonic() + seconds
+    while not stop.requested:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(0.05, left))
+    return True
+
+
+# ---- the backend ----------------------------------------------------------------------------------
+@dataclass
+class _InFlight:
+    """A part whose batch is running: the requests it answers for this run, by custom_id."""
+
+    record: PartRecord
+    requests: dict[str, BatchRequest]
+    status: str = ""  # the batch's status when last polled
+
+
+class BatchApiBackend:
+    kind = "batch-api"
+
+    def __init__(self, spec: BatchApiSpec) -> None:
+        base = spec.url.rstrip("/")
+        self.base_url = base[: -len("/v1")] if base.endswith("/v1") else base  # API paths start with /v1
+        self.spec = spec
+        self.model = spec.model or "as in each request"
+        self._state_path: Path | None = None
+
+    def keep_state(self, path: Path) -> None:
+        self._state_path = path
+
+    def check(self, request: BatchRequest) -> None:
+        """A line over the part byte limit can never be sent: refused with the input's bad lines."""
+        if (problem := too_big(batch_line(request), self.spec.max_bytes_per_part, "--max-bytes-per-part")):
+            raise ValueError(problem)
+
+    def start(self) -> None:
+        """Connections are opened per run."""
+
+    def run(self, requests: Iterator[BatchRequest], sink: ResultSink, stop: StopFlag) -> BackendStats:
+        if self._state_path is None:
+            raise RuntimeError("BatchApiBackend needs keep_state(path) before run (run_job calls it): without a "
+                               "state file a re-run could not find the batches, and would submit them again")
+        state = BatchState.open(self._state_path, self.base_url)
+        headers = {"Authorization": f"Bearer {self.spec.api_key}"} if self.spec.api_key else {}
+        with httpx.Client(base_url=self.base_url, headers=headers, timeout=httpx.Timeout(self.spec.timeout_s)) as http:
+            job = _BatchJob(self.spec, state, BatchApiClient(http, stop, self.spec.retry_for_s), sink, stop)
+            with contextlib.suppress(Stopped):  # a stop while waiting: what is submitted stays recorded
+                job.run(requests)
+        if stop.requested:
+            job.say_left_running()
+        return BackendStats()
+
+
+class _BatchJob:
+    """One run of a Batch API job: take the requests (submitting new parts as they fill), pick up
+    the parts earlier runs recorded, then poll until every part is merged."""
+
+    def __init__(self, spec: BatchApiSpec, state: BatchState, api: BatchApiClient, sink: ResultSink,
+                 stop: StopFlag) -> None:
+        self.spec, self.state, self.api, self.sink, self.stop = spec, state, api, sink, stop
+        self.inflight: dict[int, _InFlight] = {}
+        recorded = state.unmerged()
+        self.held: dict[int, list[BatchRequest]] = {p.number: [] for p in recorded}  # for earlier runs' parts
+        self.owner = {line: p.number for p in recorded for line in p.lines}
+
+    def run(self, requests: Iterator[BatchRequest]) -> None:
+        self._take(requests)
+        self._resume_recorded()
+        self._poll()
+        say(f"every part merged ({len(self.state.parts)} in all)")
+
+    def _take(self, requests: Iterator[BatchRequest]) -> None:
+        splitter = PartSplitter(self.spec.max_requests_per_part, self.spec.max_bytes_per_part, self._spool,
+                                self._submit_new, keep_requests=True)
+        try:
+            for request in requests:
+                if self.stop.requested:
+                    raise Stopped
+                owner = self.owner.get(request.line)
+                if owner is not None:
+                    self.held[owner].append(request)  # its batch was submitted by an earlier run
+                elif (problem := splitter.add(request)) is not None:
+                    self.sink.error(request, TOO_LARGE, problem)
+            splitter.finish()
+        finally:
+            splitter.drop()
+
+    def _spool(self, url: str) -> IO[bytes]:
+        """Where a part is written until uploaded: on disk beside the output, not in memory (200 MB)."""
+        return tempfile.TemporaryFile(dir=self.state.path.parent, prefix=".batch-part-")
+
+    def _submit_new(self, part: OpenPart) -> None:
+        with part.file:
+            if self.stop.requested:
+                raise Stopped  # not recorded: its requests are simply not done
+            record = PartRecord(self.state.next_number(), part.url, part.lines, time.time())
+            self.state.record(record)  # before the upload: from here on a re-run looks for its batch
+            self._submit(record, part.file, part.bytes)
+        self.inflight[record.number] = _InFlight(record, {r.custom_id: r for r in part.requests})
+
+    def _submit(self, record: PartRecord, file: IO[bytes], size: int) -> None:
+        name = f"{self.state.key}-part-{record.number:05d}.jsonl"  # names an orphaned upload's job and part
+        self.state.update(record, file_id=self.api.upload(file, name), status=UPLOADED)
+        body = {"input_file_id": record.file_id, "endpoint": record.url,
+                "completion_window": self.spec.completion_window,
+                "metadata": part_metadata(self.state.key, record.number)}
+        batch = self.api.create(body, lambda: self._find(record))
+        self.state.update(record, batch_id=batch["id"], status=SUBMITTED)
+        say(f"part {record.number}: {len(record.lines)} request(s), {size:,} bytes → batch {batch['id']}")
+
+    def _find(self, record: PartRecord) -> dict[str, Any] | None:
+        return self.api.find(part_metadata(self.state.key, record.number), record.recorded_at - ADOPT_SLACK_S)
+
+    def _resume_recorded(self) -> None:
+        """The parts an earlier run recorded and did not merge: wait for their batches (adopting one
+        that was created but whose id was never recorded), or submit them if none was created."""
+        for number, held in self.held.items():
+            if self.stop.requested:
+                raise Stopped
+            record = self.state.parts[number]
+            if not held:  # an earlier run handed every row over; only the mark was missing
+                self.state.update(record, status=MERGED)
+                continue
+            if record.batch_id is not None:
+                say(f"part {number}: waiting for batch {record.batch_id} (submitted by an earlier run)")
+            elif (batch := self._find(record)) is not None:
+                self.state.update(record, batch_id=batch["id"], status=SUBMITTED)
+                say(f"part {number}: adopted batch {batch['id']}, created before the earlier run stopped")
+            else:
+                self._resubmit(record, held)
+            self.inflight[number] = _InFlight(record, {r.custom_id: r for r in held})
+        self.held.clear()
+
+    def _resubmit(self, record: PartRecord, held: list[BatchRequest]) -> None:
+        """A recorded part whose batch was never created: submitted with the requests still not done."""
+        self.state.update(record, lines=[r.line for r in held], file_id=None, status=UPLOADING)
+        with self._spool(record.url) as file:
+            for request in held:
+                file.write(batch_line(request))
+            self._submit(record, file, file.tell())
+
+    def _poll(self) -> None:
+        while self.inflight:
+            for number, flight in list(self.inflight.items()):
+                if self.stop.requested:
+                    raise Stopped
+                batch = self.api.get(str(flight.record.batch_id))
+                if batch["status"] in FINAL_STATUSES:
+                    self._merge(flight, batch)
+                    del self.inflight[number]
+                elif batch["status"] != flight.status:
+                    counts = batch.get("request_counts") or {}
+                    say(f"part {number}: batch {batch['id']} {batch['status']} "
+                        f"({counts.get('completed', 0) + counts.get('failed', 0)}/{counts.get('total', '?')})")
+                flight.status = batch["status"]
+            if self.inflight and sleep_unless(self.stop, self.spec.poll_s):
+                raise Stopped
+
+    def _merge(self, flight: _InFlight, batch: dict[str, Any]) -> None:
+        """Every row of a final batch to the sink, each request once; the requests it left
+        unanswered get a transient error (a re-run tries them again); then the part is merged."""
+        pending, results, errors = dict(flight.requests), 0, 0
+        for key in ("output_file_id", "error_file_id"):
+            if file_id := batch.get(key):
+                for row in self.api.rows(file_id):
+                    request = pending.pop(str(row.get("custom_id")), None)
+                    if request is not None:  # else done by an earlier run (or not ours: ignored)
+                        ok = hand_row(self.sink, request, row)
+                        results, errors = results + ok, errors + (not ok)
+        status = batch["status"]
+        why = "; ".join(str(e.get("message")) for e in ((batch.get("errors") or {}).get("data") or [])[:3])
+        for request in pending.values():
+            self.sink.error(request, UNANSWERED.get(status, "server_error"),
+                            f"batch {batch['id']} ended {status} without answering it" + (f" ({why})" if why else ""))
+        self.state.update(flight.record, status=MERGED)
+        say(f"part {flight.record.number}: batch {batch['id']} {status}: {results} result(s), "
+            f"{errors + len(pending)} error(s)")
+
+    def say_left_running(self) -> None:
+        running = [p for p in self.state.unmerged() if p.batch_id is not None]
+        unsure = [p.number for p in self.state.unmerged() if p.batch_id is None]
+        if running:
+            say(f"stopped: {len(running)} batch(es) keep running on the server "
+                f"({', '.join(str(p.batch_id) for p in running)}); re-run the same command to collect their "
+                f"results (the ids are in {self.state.path})")
+        if unsure:
+            say(f"part(s) {', '.join(map(str, unsure))} stopped while being submitted: a re-run adopts their "
+                "batches if they were created, else submits them")
