@@ -24,7 +24,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 import numpy as np
 import orjson
@@ -48,6 +48,7 @@ INDEX_HEADER = 16
 INDEX_RECORD = np.dtype([("line", "<u4"), ("flags", "<u4"), ("key", "<i8"), ("end", "<u8")])
 # Record flags: what the summary counts of rows done in earlier runs, without reading them.
 STRUCTURED, ENDED_BY_LENGTH, MAX_TOKENS_DEFAULTED = 1, 2, 4
+INDEX_CHECKS = 32  # records read back against their rows on every start (_matches_results)
 
 
 class JobError(ValueError):
@@ -275,6 +276,7 @@ class OutputState:
     seen_lines: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint32))
     repaired_bytes: int = 0  # torn tail cut off the files
     retrying: int = 0  # transient errors dropped from the errors file, to be tried again
+    index_rebuilt: bool = False  # the done-index did not match the results (edited by hand?): they were read
 
     def finished(self, line: int) -> bool:
         """Has a result or a final error: a re-run skips it without reading it."""
@@ -288,13 +290,15 @@ class OutputState:
 def scan_outputs(paths: OutputPaths) -> OutputState:
     """Repair torn tails, collect what is finished, drop transient errors so they are retried."""
     state = OutputState()
-    if paths.index.exists() and paths.index.stat().st_size >= INDEX_HEADER:
-        records, base, state.repaired_bytes = read_index(paths.index, paths.results)
+    found = read_index(paths.index, paths.results) if paths.index.exists() else None
+    state.index_rebuilt = found is None and paths.index.exists()
+    if found is not None:
+        records, base, state.repaired_bytes = found
         unindexed = _rows_before(paths.results, base)
-    else:  # a new job, or one begun by a tokenmill without the index: what is there is read once
-        unindexed, state.repaired_bytes = repair_jsonl(paths.results)
-        base = paths.results.stat().st_size if paths.results.exists() else 0
-        create_index(paths.index, base)
+    else:  # a new job, one begun by a tokenmill without the index, or an index that lost its way
+        unindexed, cut = repair_jsonl(paths.results)
+        state.repaired_bytes += cut
+        create_index(paths.index, paths.results.stat().st_size if paths.results.exists() else 0)
         records = np.empty(0, INDEX_RECORD)
     _count_indexed(state, records)
     for row in unindexed:
@@ -342,19 +346,24 @@ def _scan_errors(state: OutputState, path: Path) -> None:
 
 
 # ---- the done-index --------------------------------------------------------------------------------
-def read_index(index: Path, results: Path) -> tuple[np.ndarray, int, int]:
+def read_index(index: Path, results: Path) -> tuple[np.ndarray, int, int] | None:
     """The done-index's records whose rows are in the results file, the results' length where the
     index began (rows before it are read by custom_id), and the bytes cut off the results (a torn
-    row, or rows whose records a power cut lost: not known done, so done again)."""
+    row, or rows whose records a power cut lost: not known done, so done again). None, touching
+    nothing, when the index does not describe this results file (not an index, or rows edited
+    by hand): the results are then read instead."""
     size = results.stat().st_size if results.exists() else 0
     with index.open("rb") as f:
         header = f.read(INDEX_HEADER)
-        if header[:8] != INDEX_MAGIC:
-            raise JobError(f"{index} is not a tokenmill done-index; delete it (the job then reads its results "
-                           "once to rebuild what it knows) or use --overwrite to start over")
+        if len(header) < INDEX_HEADER or header[:8] != INDEX_MAGIC:
+            return None
         base = int.from_bytes(header[8:], "little")
         records = np.fromfile(f, INDEX_RECORD, (index.stat().st_size - INDEX_HEADER) // INDEX_RECORD.itemsize)
+    if base > size:
+        return None
     kept = _committed(records, base, results, size)
+    if kept is None or not _matches_results(records[:kept], base, results):
+        return None
     if index.stat().st_size != INDEX_HEADER + kept * INDEX_RECORD.itemsize:
         _truncate(index, INDEX_HEADER + kept * INDEX_RECORD.itemsize)  # records whose rows never made it
     end = int(records["end"][kept - 1]) if kept else base
@@ -363,20 +372,42 @@ def read_index(index: Path, results: Path) -> tuple[np.ndarray, int, int]:
     return records[:kept], base, size - end
 
 
-def _committed(records: np.ndarray, base: int, results: Path, size: int) -> int:
+def _committed(records: np.ndarray, base: int, results: Path, size: int) -> int | None:
     """How many records, from the first, have their rows in the results: those that end within
     the file (a kill between a record and its row leaves one that does not), the last of them
-    checked by reading its row back (after a power cut the file may be long enough and hold zeros)."""
-    kept = int(np.searchsorted(records["end"], size, side="right"))
-    with results.open("rb") if results.exists() else io.BytesIO() as f:
-        while kept:
-            start = int(records["end"][kept - 2]) if kept > 1 else base
-            f.seek(start)
-            row = _parse_row(f.read(int(records["end"][kept - 1]) - start))
-            if row is not None and id_key(str(row.get("custom_id"))) == int(records["key"][kept - 1]):
-                break
+    read back and checked (after a power cut the file may be long enough and hold zeros). None
+    when records were dropped and a whole row follows the last one kept: not a power cut's
+    garbage, but rows this index does not describe."""
+    within = kept = int(np.searchsorted(records["end"], size, side="right"))
+    if not kept:
+        return 0
+    with results.open("rb") as f:
+        while kept and not _row_matches(f, records, base, kept - 1):
             kept -= 1
+        if kept < within:
+            f.seek(int(records["end"][kept - 1]) if kept else base)
+            line = f.readline()
+            if line.endswith(b"\n") and _parse_row(line) is not None:
+                return None
     return kept
+
+
+def _row_matches(f: IO[bytes], records: np.ndarray, base: int, i: int) -> bool:
+    """Whether record `i`'s bytes in the results are a row with its custom_id."""
+    start = int(records["end"][i - 1]) if i else base
+    f.seek(start)
+    row = _parse_row(f.read(int(records["end"][i]) - start))
+    return row is not None and id_key(str(row.get("custom_id"))) == int(records["key"][i])
+
+
+def _matches_results(records: np.ndarray, base: int, results: Path) -> bool:
+    """A sample of the records checked against their rows: an index that does not describe this
+    results file (rows deleted or reordered by hand) is caught, and not believed."""
+    if not len(records):
+        return True
+    sample = np.random.default_rng().choice(len(records), min(len(records), INDEX_CHECKS), replace=False)
+    with results.open("rb") as f:
+        return all(_row_matches(f, records, base, int(i)) for i in sample)
 
 
 def create_index(index: Path, base: int) -> None:

@@ -144,6 +144,9 @@ def _count_on_the_side(stream: InputStream) -> _RecordCount:
 
 
 def _announce(console: Console, paths: OutputPaths, state: OutputState, resumed: bool) -> None:
+    if state.index_rebuilt:
+        say(console, f"{paths.index.name} did not match {paths.results.name} (edited by hand?): read the results "
+                     "instead, and began a new index")
     if state.repaired_bytes:
         say(console, f"repaired a torn last line ({state.repaired_bytes} bytes cut) in the output")
     if resumed:
