@@ -4,16 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from tokenmill.jobs import storage
 from tokenmill.jobs.spec import DocumentOptions
+from tokenmill.jobs.storage import Location
 
 ORDERS = ("input", "length-buckets")
+OUTPUT_FORMATS = ("jsonl", "parquet")
+PART_ROWS = 100_000  # result rows per committed part (parts.py): what a lost machine can cost at most
 
 
 @dataclass
 class JobConfig:
-    input: Path
-    output: Path
+    input: Location  # a local Path, or a URL (a str with "://": storage.py)
+    output: Location  # a folder or a results .jsonl file; a URL is a folder
     options: DocumentOptions = field(default_factory=DocumentOptions)
     errors: Path | None = None
     input_format: str = "auto"
@@ -23,9 +28,39 @@ class JobConfig:
     price_per_hour: float | None = None
     progress: bool = True
     fsync_interval: float = 1.0
+    output_format: str = "jsonl"  # the committed parts' format (a URL output, or parquet)
+    part_rows: int = PART_ROWS
+    spool_dir: Path | None = None  # a URL output's local journal (default: under the cache folder)
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
             raise ValueError(f"--order must be one of {ORDERS}, got {self.order!r}")
         if self.price_per_hour is not None and self.price_per_hour < 0:
             raise ValueError(f"--price-per-hour must be >= 0, got {self.price_per_hour}")
+        if self.output_format not in OUTPUT_FORMATS:
+            raise ValueError(f"--output-format must be one of {OUTPUT_FORMATS}, got {self.output_format!r}")
+        if self.part_rows < 1:
+            raise ValueError(f"--part-rows must be at least 1, got {self.part_rows}")
+        self._check_output()
+
+    def _check_output(self) -> None:
+        storage.check(self.input)  # a protocol without its package: refused before any work
+        storage.check(self.output)
+        remote = storage.is_url(self.output)
+        if storage.suffix(self.output) == ".jsonl" and (remote or self.output_format == "parquet"):
+            raise ValueError(f"-o {self.output}: "
+                             + ("a URL output is a folder" if remote else "--output-format parquet writes a folder")
+                             + " (results/ parts, errors.jsonl, summary.json, job.json in it): name a folder")
+        if remote and self.errors is not None:
+            raise ValueError("--errors with a URL -o: errors.jsonl goes beside the results on the object store")
+        if self.spool_dir is not None and not remote:
+            raise ValueError("--spool-dir is where a URL -o keeps its local journal; a local -o is its own")
+
+    @property
+    def writes_parts(self) -> bool:
+        """Results sealed into committed parts (parts.py): a URL output, or parquet."""
+        return storage.is_url(self.output) or self.output_format == "parquet"
+
+    def output_fingerprint(self) -> dict[str, Any]:
+        """The output settings that change the files (only when set: older jobs still resume)."""
+        return {"output_format": self.output_format} if self.output_format != "jsonl" else {}

@@ -17,10 +17,11 @@ from tokenmill.engine.args import (
     structured_outputs_from_args,
 )
 from tokenmill.environment import CLIENT_API_KEY_ENV, client_api_key
-from tokenmill.jobs.config import ORDERS, JobConfig
+from tokenmill.jobs.config import ORDERS, OUTPUT_FORMATS, PART_ROWS, JobConfig
 from tokenmill.jobs.output import JobError
 from tokenmill.jobs.ray_runner import RayOptions, RaySpec
 from tokenmill.jobs.spec import FORMATS, ID_COLUMNS, PROMPT_COLUMNS, DocumentOptions
+from tokenmill.jobs.storage import Location, location
 from tokenmill.openai_compat import structured_outputs_body
 from tokenmill.plan.price import FLAG_HELP as PRICE_HELP
 from tokenmill.plan.price import price_per_hour_arg
@@ -38,13 +39,23 @@ RAY_ONLY_FLAGS = {"--ray-address": "ray_address", "--replicas": "replicas", "--c
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("input", type=Path, nargs="?",
-        help="OpenAI batch JSONL, JSONL with prompt/messages, or text (one document a line)")
-    add("-i", "--input", dest="input_option", type=Path, metavar="INPUT",
+    add("input", type=location, nargs="?",
+        help="OpenAI batch JSONL, JSONL with prompt/messages, or text (one document a line); a path or a URL "
+        "(s3://, gs://, az://, https://, … through fsspec)")
+    add("-i", "--input", dest="input_option", type=location, metavar="INPUT",
         help="the input, as a flag (`vllm run-batch -i IN -o OUT` works as it is)")
-    add("-o", "--output", type=Path, required=True,
-        help="a folder (results.jsonl, errors.jsonl, summary.json, job.json in it) or a results .jsonl file")
+    add("-o", "--output", type=location, required=True,
+        help="a folder (results.jsonl, errors.jsonl, summary.json, job.json in it) or a results .jsonl file; "
+        "a URL (s3://bucket/out/, …) is a folder: results/part-*.jsonl, committed as the job goes")
     add("--errors", type=Path, help="errors JSONL (default: beside the results)")
+    add("--output-format", choices=OUTPUT_FORMATS, default="jsonl",
+        help="the results as committed parts OUT/results/part-*.jsonl or .parquet (one column per field; "
+        "a local -o keeps OUT/results.jsonl as the journal); errors stay JSONL (default jsonl)")
+    add("--part-rows", type=int, default=PART_ROWS, metavar="N",
+        help=f"a URL -o or parquet: commit a part every N result rows, and at the end of each run (default "
+        f"{PART_ROWS:,}; at most N rows are redone after a lost machine)")
+    add("--spool-dir", type=Path, metavar="DIR",
+        help="a URL -o: the local journal it is committed from (default: $TOKENMILL_CACHE/jobs/<hash of the URL>)")
     add("--input-format", choices=FORMATS, default="auto", help="default: by suffix and first line")
     add_csv_column_arguments(parser)
     add_document_arguments(parser)
@@ -152,10 +163,11 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         input=_input(args), output=args.output, options=options, errors=args.errors,
         input_format=args.input_format, strict=args.strict, overwrite=args.overwrite, order=args.order,
         price_per_hour=args.price_per_hour, progress=not args.no_progress,
+        output_format=args.output_format, part_rows=args.part_rows, spool_dir=args.spool_dir,
     )
 
 
-def _input(args: argparse.Namespace) -> Path:
+def _input(args: argparse.Namespace) -> Location:
     """The input file, given once: as the first argument or with -i/--input."""
     given = [p for p in (args.input, getattr(args, "input_option", None)) if p is not None]
     if len(given) != 1:

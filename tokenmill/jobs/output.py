@@ -12,6 +12,10 @@ Exactly once rests on four things:
 - a re-run skips every line with a result or a *final* error, and retries the rest;
 - `job.json` holds the input's identity and the options that change results, and a re-run with
   a different input or options refuses instead of mixing two jobs in one file.
+
+These files are the job's journal, always on local disk. Where the results are also wanted as
+parts (an object store output, or parquet), parts.py seals the journal's rows into committed
+parts as the job goes (`Sealer`), and a resume counts those parts' index records instead.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ from typing import IO, Any, Protocol
 import numpy as np
 import orjson
 
+from tokenmill.jobs import storage
 from tokenmill.jobs.seen_ids import id_key
 from tokenmill.jobs.spec import InputError
+from tokenmill.jobs.storage import Location
 from tokenmill.openai_compat import new_id
 
 INVALID_INPUT = "invalid_input"  # a bad input line (keyed by line number)
@@ -300,11 +306,11 @@ def scan_outputs(paths: OutputPaths) -> OutputState:
         state.repaired_bytes += cut
         create_index(paths.index, paths.results.stat().st_size if paths.results.exists() else 0)
         records = np.empty(0, INDEX_RECORD)
-    _count_indexed(state, records)
+    count_done(state, records)
     for row in unindexed:
         if isinstance(row.get("custom_id"), str):
             state.unindexed[row["custom_id"]] = finish_reason_of((row.get("response") or {}).get("body")) == "length"
-    _scan_errors(state, paths.errors)
+    scan_errors(state, paths.errors)
     return state
 
 
@@ -316,7 +322,9 @@ def _rows_before(path: Path, end: int) -> list[dict[str, Any]]:
     return [row for line in io.BytesIO(data) if (row := _parse_row(line)) is not None]
 
 
-def _count_indexed(state: OutputState, records: np.ndarray) -> None:
+def count_done(state: OutputState, records: np.ndarray) -> None:
+    """The done lines, ids and counts of these done-index records (the results', or committed
+    parts': parts.py) into `state`."""
     lines, flags = records["line"], records["flags"]
     state.done_lines = np.zeros(int(lines.max(initial=0)) + 1, bool)
     state.done_lines[lines] = True
@@ -328,7 +336,9 @@ def _count_indexed(state: OutputState, records: np.ndarray) -> None:
     state.seen_keys, state.seen_lines = records["key"].copy(), lines.copy()
 
 
-def _scan_errors(state: OutputState, path: Path) -> None:
+def scan_errors(state: OutputState, path: Path) -> None:
+    """The errors file's final errors into `state` (after the done lines are in); its transient
+    ones are dropped from the file, to be tried again."""
     errors, cut = repair_jsonl(path)
     state.repaired_bytes += cut
     final = [r for r in errors if is_final(r)]
@@ -418,6 +428,13 @@ def create_index(index: Path, base: int) -> None:
     os.replace(tmp, index)
 
 
+def read_index_records(index: Path, first: int, last: int) -> np.ndarray:
+    """Records `first` to `last` (not included) of a done-index, read from the file."""
+    with index.open("rb") as f:
+        f.seek(INDEX_HEADER + first * INDEX_RECORD.itemsize)
+        return np.fromfile(f, INDEX_RECORD, last - first)
+
+
 # ---- appending -----------------------------------------------------------------------------------
 @dataclass
 class Appender:
@@ -474,16 +491,27 @@ class JsonlAppender(Appender):
             self.sync()
 
 
+class Sealer(Protocol):
+    """Told of every result row written (the journal's record count and length after it) and of
+    the end: parts.PartSealer, which cuts the journal into committed parts."""
+
+    def wrote(self, records: int, end: int) -> None: ...
+
+    def close(self, records: int, end: int) -> None: ...
+
+
 class IndexedResults:
     """The results file and its done-index: each row's record first, then the row (see the module
     docstring). The index is synced before the rows, so a power cut keeps no row without its record."""
 
     _pack = np.empty(1, INDEX_RECORD)
 
-    def __init__(self, results: Path, index: Path, fsync_interval: float = 1.0) -> None:
+    def __init__(self, results: Path, index: Path, fsync_interval: float = 1.0, sealer: Sealer | None = None) -> None:
         self._rows = Appender(results, fsync_interval)
         self._index = Appender(index, fsync_interval)
         self._end = self._rows.size
+        self._records = (self._index.size - INDEX_HEADER) // INDEX_RECORD.itemsize
+        self._sealer = sealer
 
     def write(self, row: dict[str, Any], entry: IndexEntry | None = None) -> None:
         if entry is None:
@@ -494,20 +522,26 @@ class IndexedResults:
         record[0] = (entry.line, entry.flags, entry.key, self._end)
         self._index.write_bytes(record.tobytes())
         self._rows.write_bytes(data)
+        self._records += 1
         if self._rows.due():
             self.sync()
+        if self._sealer is not None:
+            self._sealer.wrote(self._records, self._end)
 
     def sync(self) -> None:
         self._index.sync()
         self._rows.sync()
 
     def close(self) -> None:
+        """Sync and close; with a sealer, the rows since its last part become one more."""
         self._index.close()
         self._rows.close()
+        if self._sealer is not None:
+            self._sealer.close(self._records, self._end)
 
 
 # ---- the job's identity --------------------------------------------------------------------------
-def job_record(input_path: Path, identity: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+def job_record(input_path: Location, identity: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
     """What job.json holds: the input's identity (spec.input_identity) and the settings that
     change results."""
     canonical = json.dumps({"input": identity, "settings": settings}, sort_keys=True)
@@ -521,10 +555,10 @@ def job_record(input_path: Path, identity: dict[str, Any], settings: dict[str, A
     }
 
 
-def _version_1_fingerprint(input_path: Path, settings: dict[str, Any]) -> str:
+def _version_1_fingerprint(input_path: Location, settings: dict[str, Any]) -> str:
     """A job.json of version 1 named its input by the whole file's sha256."""
     digest = hashlib.sha256()
-    with input_path.open("rb") as f:
+    with storage.open_input(input_path) as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     canonical = json.dumps({"input_sha256": digest.hexdigest(), "settings": settings}, sort_keys=True)
@@ -541,16 +575,7 @@ def claim_outputs(paths: OutputPaths, job: dict[str, Any], overwrite: bool) -> b
             path.unlink(missing_ok=True)
     existing = [p for p in paths.data_files if p.exists() and p.stat().st_size > 0]
     if paths.job.exists():
-        try:
-            old = json.loads(paths.job.read_text())
-        except ValueError as exc:
-            raise JobError(f"{paths.job} is not valid JSON ({exc}); use --overwrite to start over") from None
-        if old.get("version") == 1:
-            if old.get("fingerprint") != _version_1_fingerprint(Path(job["input"]), job["settings"]):
-                raise JobError(_mismatch_message(paths, old, job))
-            return True
-        if old.get("fingerprint") != job["fingerprint"]:
-            raise JobError(_mismatch_message(paths, old, job))
+        check_same_job(paths.job.read_bytes(), job, str(paths.job), str(paths.results))
         return True
     if existing:
         raise JobError(
@@ -562,11 +587,26 @@ def claim_outputs(paths: OutputPaths, job: dict[str, Any], overwrite: bool) -> b
     return False
 
 
+def check_same_job(recorded: bytes, job: dict[str, Any], where: str, results: str) -> None:
+    """Refuse (JobError) when the job.json `recorded` (read from `where`) is another job's than
+    `job`: `results` names the output in the message."""
+    try:
+        old = json.loads(recorded)
+    except ValueError as exc:
+        raise JobError(f"{where} is not valid JSON ({exc}); use --overwrite to start over") from None
+    if old.get("version") == 1:
+        same = old.get("fingerprint") == _version_1_fingerprint(storage.location(job["input"]), job["settings"])
+    else:
+        same = old.get("fingerprint") == job["fingerprint"]
+    if not same:
+        raise JobError(_mismatch_message(results, old, job))
+
+
 def _setting(value: Any) -> str:
     return "unset" if value is None else repr(value)
 
 
-def _mismatch_message(paths: OutputPaths, old: dict[str, Any], new: dict[str, Any]) -> str:
+def _mismatch_message(results: str, old: dict[str, Any], new: dict[str, Any]) -> str:
     reasons = []
     if "input_identity" in old and old["input_identity"] != new["input_identity"]:
         was, now = old["input_identity"], new["input_identity"]
@@ -582,13 +622,18 @@ def _mismatch_message(paths: OutputPaths, old: dict[str, Any], new: dict[str, An
     if "input_identity" not in old and not reasons:  # version 1: only its whole-file sha256 was kept
         reasons.append(f"the input differs from the one it was started on ({old.get('input')!r}, by its sha256)")
     return (
-        f"{paths.results} belongs to a different job: {'; '.join(reasons) or 'its fingerprint differs'}. "
+        f"{results} belongs to a different job: {'; '.join(reasons) or 'its fingerprint differs'}. "
         "Re-run with the original input and options to resume it, choose another -o, "
         "or add --overwrite to discard it"
     )
 
 
-def write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
+def write_json_atomic(path: Path, doc: dict[str, Any], fsync: bool = False) -> None:
+    """`fsync`: durable before it replaces the old one (parts.py's seal marker), not just atomic."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    with tmp.open("w") as f:
+        f.write(json.dumps(doc, indent=2) + "\n")
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)

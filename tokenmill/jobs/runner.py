@@ -3,8 +3,9 @@
 
 Backends (embedded engine, HTTP endpoint; the contract is in backend.py, the specs that build
 them in backend_specs.py) only turn requests into response bodies and hand them to the
-`ResultSink`; everything about files, resuming and counting lives here and in output.py. What to
-print at the end, and the exit code, are the caller's (jobs/cli.py).
+`ResultSink`; everything about files, resuming and counting lives here, in output.py (the local
+journal) and parts.py (committed parts, for an object store output or parquet). What to print at
+the end, and the exit code, are the caller's (jobs/cli.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from rich.console import Console
 from tokenmill.jobs import output
 from tokenmill.jobs.backend import Backend, BackendStats, KeepsState, ResultSink, StopFlag
 from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.output import IndexedResults, JobError, JsonlAppender, OutputPaths, OutputState, scan_outputs
+from tokenmill.jobs.output import JobError, JsonlAppender, OutputPaths, OutputState
+from tokenmill.jobs.parts import JobOutput
 from tokenmill.jobs.progress import JobProgress
 from tokenmill.jobs.spec import Entry, InputStream, count_records, input_identity
 from tokenmill.jobs.summary import JobOutcome, build_summary
@@ -64,22 +66,23 @@ def run_job(
     `console`: where progress goes (stderr by default; the server passes a quiet one). `stop`: set
     by the caller to stop the job from another thread (the server's Batch API)."""
     console = console or Console(stderr=True)
-    paths = OutputPaths.from_option(config.output, config.errors)
+    files = JobOutput(config, say=lambda text: say(console, text))
+    paths = files.paths  # the local journal: the output folder, or a URL output's spool
     stream = InputStream(config.input, config.options, config.input_format, backend.check)
     if not stream.has_records():
         raise JobError(f"{config.input}: no requests (the file is empty)")
     if config.strict:
         check_every_line(stream)
     settings = {"format": stream.format, "backend": backend.kind, "model": backend.model,
-                **config.options.fingerprint()}
+                **config.options.fingerprint(), **config.output_fingerprint()}
     job = output.job_record(config.input, input_identity(config.input), settings)
-    resumed = output.claim_outputs(paths, job, config.overwrite)
-    state = scan_outputs(paths)
+    resumed = files.claim(job, config.overwrite)
+    state = files.scan()
     if isinstance(backend, KeepsState):
         backend.keep_state(paths.backend_state)
     _announce(console, paths, state, resumed)
 
-    results = IndexedResults(paths.results, paths.index, config.fsync_interval)
+    results = files.results(config.fsync_interval)  # seals committed parts as it goes, where there are any
     errors = JsonlAppender(paths.errors, config.fsync_interval)
     stop = stop or StopFlag()
     sink = ResultSink(results, errors, None)
@@ -107,13 +110,18 @@ def run_job(
             else:
                 say(console, "nothing to run: every request already has a result or a final error")
     finally:
-        results.close()
-        errors.close()
+        try:
+            results.close()  # with parts: the rows since the last one become one more
+        finally:
+            errors.close()
+            files.publish(paths.errors)
     if not work.counts.read_to_end:  # stopped early: the rest of the file is counted, not checked
         total.join()
         work.counts.records = max(stream.records, total.count or 0)
     outcome = build_summary(config, paths, work.counts, state, sink, stats, wall, backend, interrupted=stop.requested)
+    outcome.results_path, outcome.errors_path = files.results_location, files.errors_location
     output.write_json_atomic(paths.summary, outcome.to_json())
+    files.publish(paths.summary)
     return outcome
 
 

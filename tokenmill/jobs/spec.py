@@ -16,6 +16,9 @@ so the first request leaves within a second of the start whatever the file's siz
 kept per line is its custom_id's 8-byte key (for duplicates). Where the whole file must be
 checked first (`--strict`, length buckets, choose's sample), `read_input` keeps a small `Entry`
 per good line (its byte offset, id and a size estimate) and the work pass re-reads each line.
+
+The input is a local path or a URL (`storage.Location`); every read goes through
+`storage.open_input`, which keeps local files on the plain `open`.
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
-from pathlib import Path
 from typing import IO, Any
 
 import orjson
 
 from tokenmill.engine import DEFAULT_MAX_TOKENS
+from tokenmill.jobs import storage
 from tokenmill.jobs.seen_ids import SeenIds
+from tokenmill.jobs.storage import Location
 from tokenmill.openai_compat import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -152,7 +156,7 @@ class Entry:
 
 @dataclass
 class InputFile:
-    path: Path
+    path: Location
     format: str  # "batch" | "jsonl" | "text" | "csv"
     sha256: str
     options: DocumentOptions
@@ -167,7 +171,7 @@ class InputFile:
 
     def requests(self, entries: Iterable[Entry]) -> Iterator[BatchRequest]:
         """Re-read and parse the given lines, in the given order, one at a time."""
-        with self.path.open("rb") as f:
+        with storage.open_input(self.path) as f:
             for entry in entries:
                 f.seek(entry.offset)
                 if self.csv_layout is not None:
@@ -188,7 +192,7 @@ class _Record:
 
 
 def read_input(
-    path: Path,
+    path: Location,
     options: DocumentOptions,
     input_format: str = "auto",
     check: Callable[[BatchRequest], None] | None = None,
@@ -211,21 +215,22 @@ def read_input(
     return result
 
 
-def count_records(path: Path, fmt: str) -> int:
+def count_records(path: Location, fmt: str) -> int:
     """The input's non-blank lines, less a CSV's header: its requests, for the progress bar's
     total and a stopped job's summary (a CSV field over several lines counts more than once)."""
-    with path.open("rb") as f:
+    with storage.open_input(path) as f:
         lines = sum(1 for line in f if not line.isspace())
     return max(0, lines - 1) if fmt == "csv" else lines
 
 
-def input_identity(path: Path) -> dict[str, Any]:
+def input_identity(path: Location) -> dict[str, Any]:
     """What names a job's input without reading all of it: its size, and the sha256 of its first
-    and last MiB. (A whole-file hash would hold the first request back by a second a GB.) An
-    edit that keeps the size and both ends goes unnoticed; docs/jobs.md says so."""
-    size = path.stat().st_size
+    and last MiB. (A whole-file hash would hold the first request back by a second a GB, and the
+    whole object's download for a URL.) An edit that keeps the size and both ends goes unnoticed;
+    docs/jobs.md says so."""
+    size = storage.input_size(path)
     digest = hashlib.sha256()
-    with path.open("rb") as f:
+    with storage.open_input(path) as f:
         digest.update(f.read(IDENTITY_SAMPLE))
         if size > IDENTITY_SAMPLE:
             f.seek(max(IDENTITY_SAMPLE, size - IDENTITY_SAMPLE))
@@ -239,10 +244,10 @@ class InputStream:
     (the ids seen are kept in `SeenIds`, ~12 bytes each)."""
 
     def __init__(
-        self, path: Path, options: DocumentOptions, input_format: str = "auto",
+        self, path: Location, options: DocumentOptions, input_format: str = "auto",
         check: Callable[[BatchRequest], None] | None = None,
     ) -> None:
-        if not path.is_file():
+        if not storage.input_exists(path):
             raise FileNotFoundError(f"input file {str(path)!r} not found")
         if input_format not in FORMATS:
             raise ValueError(f"--input-format must be one of {FORMATS}, got {input_format!r}")
@@ -258,7 +263,7 @@ class InputStream:
     ) -> Iterator[tuple[_Record, BatchRequest] | InputError]:
         """Each good record with its request, each bad one as an `InputError`; a record whose line
         `skip` names (done in an earlier run) is counted but not parsed. `digest` sees every byte."""
-        with self.path.open("rb") as f:
+        with storage.open_input(self.path) as f:
             lines = _TextLines(f, digest)
             records = _csv_records(lines, self) if self.format == "csv" else _line_records(lines, self)
             for record in records:
@@ -327,7 +332,7 @@ def _line_records(lines: _TextLines, spec: InputStream) -> Iterator[_Record]:
 def _csv_records(lines: _TextLines, spec: InputStream) -> Iterator[_Record]:
     """The header (into `spec.csv_layout`; ValueError for the whole file if it names no prompt
     column), then a `_Record` per non-blank record."""
-    reader = csv.reader(lines, delimiter=CSV_DELIMITERS.get(spec.path.suffix.lower(), ","))
+    reader = csv.reader(lines, delimiter=CSV_DELIMITERS.get(storage.suffix(spec.path), ","))
     while True:
         start, first_line = lines.offset, lines.count + 1
         try:
@@ -422,13 +427,13 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-def detect_format(path: Path) -> str:
+def detect_format(path: Location) -> str:
     """Text or CSV by suffix; otherwise JSONL if the first line is an object, batch if it has batch keys."""
-    if path.suffix.lower() in TEXT_SUFFIXES:
+    if storage.suffix(path) in TEXT_SUFFIXES:
         return "text"
-    if path.suffix.lower() in CSV_DELIMITERS:
+    if storage.suffix(path) in CSV_DELIMITERS:
         return "csv"
-    with path.open("rb") as f:
+    with storage.open_input(path) as f:
         for raw in f:
             text = raw.decode("utf-8", errors="replace").lstrip("\ufeff").strip()
             if not text:
