@@ -88,13 +88,14 @@ def run_job(
     sink = ResultSink(results, errors, None)
     work = JobWork(stream, state, errors, console, advance=lambda: _advance(sink))
     stats, wall = BackendStats(), 0.0
-    total = _count_on_the_side(stream)
+    total: _RecordCount | None = None  # counted only once there is work: a finished job reads no input
     try:
         with stop_on_signals(stop):
             requests = (work.requests() if config.order == "input"
                         else work.ordered(lambda entries: order_entries(entries, config.order)))
             first = next(requests, None)  # none: every line is finished, and no model need load
             if first is not None:
+                total = _count_on_the_side(stream)
                 say(console, f"starting the {backend.kind} backend ({backend.model})")
                 backend.start()  # backends report their own load time in their stats (an embedded
                 # engine may have loaded already, to check the input)
@@ -115,7 +116,7 @@ def run_job(
         finally:
             errors.close()
             files.publish(paths.errors)
-    if not work.counts.read_to_end:  # stopped early: the rest of the file is counted, not checked
+    if not work.counts.read_to_end and total is not None:  # stopped early: the rest is counted, not checked
         total.join()
         work.counts.records = max(stream.records, total.count or 0)
     outcome = build_summary(config, paths, work.counts, state, sink, stats, wall, backend, interrupted=stop.requested)
