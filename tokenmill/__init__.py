@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from tokenmill.jobs.batch_api import BatchApiSpec
     from tokenmill.jobs.config import JobConfig
     from tokenmill.jobs.endpoint import EndpointSpec, RetryPolicy
+    from tokenmill.jobs.rate_limit import RateLimit
     from tokenmill.jobs.ray_runner import RayOptions, RaySpec
     from tokenmill.jobs.runner import run_job
     from tokenmill.jobs.spec import DocumentOptions
@@ -34,6 +35,7 @@ _EXPORTS = {
     "RaySpec": "tokenmill.jobs.ray_runner",
     "build_backend": "tokenmill.jobs.backend_specs",
     "RetryPolicy": "tokenmill.jobs.endpoint",
+    "RateLimit": "tokenmill.jobs.rate_limit",
     "RayOptions": "tokenmill.jobs.ray_runner",
     "JobConfig": "tokenmill.jobs.config",
     "DocumentOptions": "tokenmill.jobs.spec",
@@ -49,6 +51,7 @@ __all__ = [
     "JobConfig",
     "JobOutcome",
     "LLMEngine",
+    "RateLimit",
     "RayOptions",
     "RaySpec",
     "RequestOutput",

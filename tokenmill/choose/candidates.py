@@ -56,7 +56,9 @@ class Candidate:
         """The --model it names (None: the embedded default)."""
         spec = self.backend
         if isinstance(spec, RaySpec):
-            spec = spec.replica[0] if isinstance(spec.replica, tuple) else spec.replica
+            spec = spec.replica
+        if isinstance(spec, tuple):  # several endpoints: one --model
+            spec = spec[0]
         return spec.model
 
 

@@ -33,6 +33,7 @@ class BackendStats:
     num_preemptions: int | None = None
     retries: int | None = None  # endpoint: attempts beyond the first
     replicas: int | None = None  # --ray: engines (or endpoint clients) the work was spread over
+    rows_by_endpoint: dict[str, int] | None = None  # endpoint: rows (results and final errors) each one wrote
 
     def add(self, part: BackendStats) -> None:
         """Add one batch's stats into the job's: counts and engine seconds summed, load the longest."""
@@ -42,6 +43,9 @@ class BackendStats:
             mine, theirs = getattr(self, f.name), getattr(part, f.name)
             if f.name == "load_s":
                 self.load_s = max(mine, theirs)  # replicas load side by side
+            elif isinstance(theirs, dict):
+                setattr(self, f.name, {key: (mine or {}).get(key, 0) + theirs.get(key, 0)
+                                       for key in {**(mine or {}), **theirs}})
             elif theirs is not None:
                 setattr(self, f.name, (mine or 0) + theirs)
 

@@ -3,7 +3,7 @@
 `tokenmill run`'s flags (flags.py), each `tokenmill choose` candidate and a Python caller build one
 of these, each beside the backend it describes:
 - `EngineConfig` / `VllmConfig` (engine/, vllm_engine/): an engine in this process (embedded.py);
-- `EndpointSpec` (endpoint.py): an OpenAI-compatible server;
+- `EndpointSpec` (endpoint.py): an OpenAI-compatible server, or a tuple of them that share the rows;
 - `BatchApiSpec` (batch_api.py): an OpenAI-compatible server's Batch API (half price on OpenAI);
 - `RaySpec` (ray_runner.py): Ray replicas, each running one of those.
 Each validates itself when built (ValueError naming the flag), so a spec that exists can run;
@@ -21,7 +21,7 @@ from tokenmill.jobs.endpoint import EndpointSpec
 from tokenmill.jobs.ray_runner import RaySpec
 from tokenmill.vllm_engine.config import VllmConfig
 
-BackendSpec = EngineConfig | VllmConfig | EndpointSpec | BatchApiSpec | RaySpec
+BackendSpec = EngineConfig | VllmConfig | EndpointSpec | tuple[EndpointSpec, ...] | BatchApiSpec | RaySpec
 
 
 def build_backend(spec: BackendSpec) -> Backend:
@@ -34,7 +34,7 @@ def build_backend(spec: BackendSpec) -> Backend:
         from tokenmill.jobs.batch_api import BatchApiBackend
 
         return BatchApiBackend(spec)
-    if isinstance(spec, EndpointSpec):
+    if isinstance(spec, EndpointSpec | tuple):
         from tokenmill.jobs.endpoint import EndpointBackend
 
         return EndpointBackend(spec)
@@ -46,7 +46,11 @@ def build_backend(spec: BackendSpec) -> Backend:
 def _replica_backends(spec: RaySpec) -> list[Backend]:
     """What each Ray actor gets a copy of (not started: each actor loads its own)."""
     if isinstance(spec.replica, tuple):
-        return [build_backend(replace(endpoint, concurrency=spec.endpoint_share)) for endpoint in spec.replica]
+        # Each replica's share of the job's concurrency and of each endpoint's rate limits.
+        share = spec.options.replicas
+        return [build_backend(replace(endpoint, concurrency=spec.endpoint_share,
+                                      rate_limit=endpoint.rate_limit.share(share)))
+                for endpoint in spec.replica]
     engine = spec.replica
     if isinstance(engine, EngineConfig) and engine.num_threads is None:
         # A replica's torch threads = its CPUs, so replicas on one machine do not fight for cores.

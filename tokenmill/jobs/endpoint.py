@@ -1,11 +1,15 @@
-"""The HTTP backend: any OpenAI-compatible server (vLLM, SGLang, a hosted API, tokenmill serve).
+"""The HTTP backend: OpenAI-compatible servers (vLLM, SGLang, a hosted API, tokenmill serve).
 
-`concurrency` workers each take the next request and POST its body. 429, 5xx, timeouts and
-dropped connections are retried with exponential backoff and jitter (Retry-After honoured) for
-up to `retry_for` seconds; any other 4xx is the request's own fault and is recorded as its final
-error. A job-wide circuit breaker (`Breaker`) notices when the endpoint itself is down (a server
-restarting): workers stop launching requests, one probe at a time asks whether it is back, and
-the job ends (resumable) if it stays down for `retry_for`.
+Each endpoint gets `concurrency` workers, and every worker takes the next request from the one
+shared input and POSTs its body, so a faster endpoint takes more rows without weights to tune.
+429, 5xx, timeouts and dropped connections are retried with exponential backoff and jitter
+(Retry-After honoured) for up to `retry_for` seconds; any other 4xx is the request's own fault
+and is recorded as its final error. Each endpoint has a circuit breaker (`Breaker`) that notices
+when it is down (a server restarting): its workers stop launching requests, the requests they
+hold go back to the shared work for the other endpoints (or this one, once back), one probe at a
+time asks whether it is back, and an endpoint down for `retry_for` is left for the rest of the
+run; the job ends (resumable) when every endpoint is. Optional rate limits per endpoint
+(rate_limit.py) pace its workers, and a 429 with Retry-After pauses all of them.
 
 The client is aiohttp, bodies go out and come back through orjson: at a fast server the job
 layer's own cost per request is what limits a job (docs/jobs.md has the measurements against a
@@ -15,12 +19,14 @@ minimal client; httpx cost ~10× more per request here).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import itertools
 import random
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +35,7 @@ import orjson
 
 from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
 from tokenmill.jobs.output import JobFailed
+from tokenmill.jobs.rate_limit import Limiter, RateLimit, sleep_unless
 from tokenmill.jobs.spec import BatchRequest
 from tokenmill.openai_compat import new_id
 
@@ -45,7 +52,7 @@ class RetryPolicy:
     base_delay: float = 0.5  # seconds before the 2nd attempt, and before the first probe (then doubled)
     max_delay: float = 30.0  # cap on one request's backoff
     max_retry_after: float = 300.0  # cap on what a server may ask us to wait
-    breaker_after: int = 3  # down signals in a row, job-wide, that open the breaker
+    breaker_after: int = 3  # down signals in a row, across an endpoint's workers, that open its breaker
     max_probe_delay: float = 5.0  # cap on the wait between probes: how late we may notice a return
     probe_timeout: float = 10.0
 
@@ -106,7 +113,8 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
 @dataclass(frozen=True)
 class EndpointSpec:
     """An OpenAI-compatible server (vLLM, SGLang, a hosted API, tokenmill serve). `model`: the name
-    sent in every body (None: each row's own)."""
+    sent in every body (None: each row's own). A job may have several (`EndpointBackend`): each
+    one's numbers are its own."""
 
     url: str
     model: str | None = None
@@ -114,6 +122,7 @@ class EndpointSpec:
     concurrency: int = 16  # requests in flight
     timeout_s: float = 600.0  # per attempt
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    rate_limit: RateLimit = field(default_factory=RateLimit)
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -125,29 +134,38 @@ class EndpointSpec:
 
 
 class Breaker:
-    """The job-wide circuit breaker: whether the endpoint is up, as all workers see it.
+    """One endpoint's circuit breaker: whether it is up, as all its workers see it.
 
     Closed, requests go out. `breaker_after` down signals in a row (refused, reset or dropped
     connections, timeouts, 502/503/504; any other reply in between resets the count) open it:
-    no worker starts an attempt, and one probe at a time (GET /v1/models, with backoff) asks
-    whether the endpoint is back; its first answer (any status but those three; a 401 or 404
+    no worker of this endpoint starts an attempt, and one probe at a time (GET /v1/models, with
+    backoff) asks whether it is back; its first answer (any status but those three; a 401 or 404
     still means the server is up) closes the breaker. Replies to requests that were in flight
     when it opened do not: they were sent before the outage. Open for `retry_for` seconds: the
-    endpoint is `gone`, and `halt` is set so every worker stops waiting.
+    endpoint is `gone` (`on_gone` is called) and its waiting workers stop.
     """
 
     def __init__(
-        self, url: str, policy: RetryPolicy, probe: Callable[[], Awaitable[str | None]], halt: asyncio.Event
+        self, url: str, policy: RetryPolicy, probe: Callable[[], Awaitable[str | None]], halt: asyncio.Event,
+        on_gone: Callable[[], None] = lambda: None,
     ) -> None:
-        self.url, self.policy, self._probe, self._halt = url, policy, probe, halt
+        self.url, self.policy, self._probe, self._halt, self._on_gone = url, policy, probe, halt, on_gone
         self._closed = asyncio.Event()
         self._closed.set()
+        self._gone = asyncio.Event()
         self._streak = 0
         self.opened_at: float | None = None
         self._down_before = 0.0  # seconds open in this run's earlier outages
         self.last_error = ""
-        self.gone = False
         self._prober: asyncio.Task[None] | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    @property
+    def gone(self) -> bool:
+        return self._gone.is_set()
 
     def down_s(self) -> float:
         """Seconds the breaker has been open in this run so far: time no request is blamed for."""
@@ -171,11 +189,18 @@ class Breaker:
         _say(f"the endpoint {self.url} is not answering ({self.last_error}); holding new requests and "
              f"probing it for up to {self.policy.retry_for:g} s (--retry-for)")
 
+    def give_up(self, error: str) -> None:
+        """The endpoint is gone: its workers stop waiting, and take no more requests this run."""
+        self.last_error = error
+        self._closed.clear()
+        self._gone.set()
+        self._on_gone()
+
     async def wait(self) -> bool:
-        """Wait while the breaker is open; True to go on, False when the job halts."""
+        """Wait while the breaker is open; True to go on, False when the endpoint is gone or the job halts."""
         if not self._closed.is_set():
-            await _wait_any(self._closed, self._halt)
-        return not self._halt.is_set()
+            await _wait_any(self._closed, self._gone, self._halt)
+        return not (self._halt.is_set() or self._gone.is_set())
 
     def stop(self) -> None:
         if self._prober is not None:
@@ -193,44 +218,116 @@ class Breaker:
         for probes in itertools.count():
             # The last probe goes out at the deadline, so a server back just in time still counts.
             wait = min(self.policy.probe_delay(probes), max(0.0, deadline - time.monotonic()))
-            if await _sleep_unless(self._halt, wait):
+            if await sleep_unless(self._halt, wait):
                 return
             error = await self._probe()
+            if self._halt.is_set():  # the job ended meanwhile: nothing to give up on
+                return
             if error is None:
                 self._close(opened_at)
                 return
             self.last_error = error
             if time.monotonic() >= deadline:
-                self.gone = True
-                self._halt.set()
+                self.give_up(error)
                 return
+
+
+class _Endpoint:
+    """One server as the backend keeps it from run to run: its spec, its rate limiter, and
+    whether the last run gave up on it."""
+
+    def __init__(self, spec: EndpointSpec) -> None:
+        base = spec.url.rstrip("/")
+        self.base_url = base[: -len("/v1")] if base.endswith("/v1") else base  # request urls start with /v1
+        self.spec = spec
+        self.limiter = Limiter(spec.rate_limit)
+        # The last run gave up on it: the next starts with one probe, and leaves it out at once if
+        # that fails (a Ray replica runs batch after batch, and each failed one again alone).
+        self.gone = False
+
+
+@dataclass
+class _Lane:
+    """One endpoint in one run: its connections, its breaker, what it did."""
+
+    endpoint: _Endpoint
+    client: aiohttp.ClientSession
+    breaker: Breaker
+    rows: int = 0  # rows (results and final errors) its workers wrote
+    retries: int = 0  # attempts beyond each request's first
+
+
+class _Work:
+    """The requests all endpoints' workers share: first those handed back by an endpoint that went
+    down (with the attempts and the budget they spent there), then the input's, read as needed.
+
+    A request taken is open until its row is written. `halt` is set once the input is read to its
+    end and no request is open, so workers waiting for a handed-back request stop.
+    """
+
+    def __init__(self, requests: Iterator[BatchRequest], halt: asyncio.Event) -> None:
+        self._requests, self._halt = requests, halt
+        self._handed_back: deque[tuple[BatchRequest, int, float]] = deque()
+        self._handed = asyncio.Event()
+        self._open = 0
+        self._read_all = False
+
+    async def take(self) -> tuple[BatchRequest, int, float] | None:
+        """(request, attempts so far, seconds of budget spent), or None when there is no more work."""
+        while not self._halt.is_set():
+            if self._handed_back:
+                return self._handed_back.popleft()
+            if not self._read_all:
+                request = next(self._requests, None)  # one thread: workers take turns without a lock
+                if request is not None:
+                    self._open += 1
+                    return request, 0, 0.0
+                self._read_all = True
+                self._settle()
+                continue
+            # Read to the end, but requests are open elsewhere: one may yet be handed back.
+            self._handed.clear()
+            await _wait_any(self._handed, self._halt)
+        return None
+
+    def hand_back(self, request: BatchRequest, attempts: int, spent_s: float) -> None:
+        self._handed_back.append((request, attempts, spent_s))
+        self._handed.set()
+
+    def written(self) -> None:
+        """An open request has its row."""
+        self._open -= 1
+        self._settle()
+
+    def _settle(self) -> None:
+        if self._read_all and not self._open:
+            self._halt.set()
 
 
 @dataclass
 class _Run:
     """What the workers of one `run` share."""
 
-    client: aiohttp.ClientSession
+    work: _Work
     sink: ResultSink
-    halt: asyncio.Event  # a stop signal, or the endpoint gone: every sleep and wait ends
-    breaker: Breaker
+    stop: StopFlag
+    halt: asyncio.Event  # a stop signal, every endpoint gone, or all work written: every sleep and wait ends
+    lanes: list[_Lane]
 
 
 class EndpointBackend:
     kind = "endpoint"
 
-    def __init__(self, spec: EndpointSpec, *, seed: int | None = None) -> None:
-        """`seed`: the retry jitter's (tests)."""
-        base = spec.url.rstrip("/")
-        self.base_url = base[: -len("/v1")] if base.endswith("/v1") else base  # request urls start with /v1
-        self.api_key, self.concurrency, self.timeout = spec.api_key, spec.concurrency, spec.timeout_s
-        self.retry = spec.retry
-        self.model = spec.model or "as in each request"
+    def __init__(self, spec: EndpointSpec | Sequence[EndpointSpec], *, seed: int | None = None) -> None:
+        """One endpoint, or several that share the job's rows. `seed`: the retry jitter's (tests)."""
+        specs = [spec] if isinstance(spec, EndpointSpec) else list(spec)
+        if not specs:
+            raise ValueError("EndpointBackend needs at least one endpoint")
+        if len({s.model for s in specs}) > 1:
+            raise ValueError("the endpoints of one job must send the same --model")
+        self.endpoints = [_Endpoint(s) for s in specs]
+        self.model = specs[0].model or "as in each request"
         self._rng = random.Random(seed)
-        self._retries = 0
-        # The last run gave up on a dead endpoint: the next starts with one probe, and ends at once
-        # if it fails (a Ray replica runs batch after batch, and each failed one again alone).
-        self._gone = False
 
     def check(self, request: BatchRequest) -> None:
         """The server has the last word on what it supports."""
@@ -239,96 +336,111 @@ class EndpointBackend:
         """Connections are opened per run."""
 
     def unreachable(self) -> str | None:
-        """One probe now: None when the endpoint answers, else why not (`tokenmill choose` asks
-        before a candidate's run, so a server that is down costs one probe, not --retry-for)."""
-        async def probe() -> str | None:
-            async with self._session(limit=1) as client:
-                return await self._probe(client)
+        """One probe of each endpoint now: None when any answers, else why not (`tokenmill choose`
+        asks before a candidate's run, so servers that are down cost one probe, not --retry-for)."""
+        async def probe(endpoint: _Endpoint) -> str | None:
+            async with _session(endpoint, limit=1) as client:
+                return await _probe(endpoint, client)
 
-        return asyncio.run(probe())
+        async def probe_all() -> list[str | None]:
+            return await asyncio.gather(*(probe(endpoint) for endpoint in self.endpoints))
+
+        errors = asyncio.run(probe_all())
+        if any(error is None for error in errors):
+            return None
+        if len(errors) == 1:
+            return errors[0]
+        return "; ".join(f"{e.base_url}: {error}" for e, error in zip(self.endpoints, errors, strict=True))
 
     def run(self, requests: Iterator[BatchRequest], sink: ResultSink, stop: StopFlag) -> BackendStats:
-        self._retries = 0
         before = sink.done + sink.failed
-        breaker = asyncio.run(self._run(requests, sink, stop))
-        self._gone = breaker.gone
-        if breaker.gone:
-            raise JobFailed(
-                f"the endpoint {self.base_url} has not answered for {self.retry.retry_for:g} s (--retry-for; "
-                f"last error: {breaker.last_error}); the {sink.done + sink.failed - before} row(s) written this "
-                "run are kept and the requests not done were left for the next run: once the server is up, "
-                "re-run the same command to resume")
-        return BackendStats(retries=self._retries)
+        lanes = asyncio.run(self._run(requests, sink, stop))
+        for lane in lanes:
+            lane.endpoint.gone = lane.breaker.gone
+        if all(lane.breaker.gone for lane in lanes):
+            raise JobFailed(f"{_gone_text(lanes)}; the {sink.done + sink.failed - before} row(s) written this run "
+                            "are kept and the requests not done were left for the next run: once the server is up, "
+                            "re-run the same command to resume")
+        return BackendStats(retries=sum(lane.retries for lane in lanes),
+                            rows_by_endpoint={lane.endpoint.base_url: lane.rows for lane in lanes})
 
-    def _session(self, limit: int) -> aiohttp.ClientSession:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        return aiohttp.ClientSession(
-            base_url=self.base_url + "/", headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout),
-            connector=aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300), json_serialize=_json_text,
-        )
-
-    async def _run(self, requests: Iterator[BatchRequest], sink: ResultSink, stop: StopFlag) -> Breaker:
+    async def _run(self, requests: Iterator[BatchRequest], sink: ResultSink, stop: StopFlag) -> list[_Lane]:
         halt = asyncio.Event()
-        # One connection more than workers: the breaker's probe never waits for a busy pool.
-        async with self._session(limit=self.concurrency + 1) as client:
-            breaker = Breaker(self.base_url, self.retry, lambda: self._probe(client), halt)
-            if self._gone and (error := await self._probe(client)) is not None:
-                breaker.gone, breaker.last_error = True, error  # still down: one probe, not another wait
-                return breaker
-            run = _Run(client, sink, halt, breaker)
-            workers = [asyncio.create_task(self._worker(run, requests, stop)) for _ in range(self.concurrency)]
+        run = _Run(_Work(requests, halt), sink, stop, halt, [])
+        async with contextlib.AsyncExitStack() as sessions:
+            for endpoint in self.endpoints:
+                # One connection more than workers: the breaker's probe never waits for a busy pool.
+                client = await sessions.enter_async_context(_session(endpoint, endpoint.spec.concurrency + 1))
+                run.lanes.append(_lane(run, endpoint, client))
+            # Given up on by the last run: one probe each, not another --retry-for, before any work.
+            await asyncio.gather(*(_recheck(lane) for lane in run.lanes if lane.endpoint.gone))
+            workers = [asyncio.create_task(self._worker(run, lane))
+                       for lane in run.lanes if not lane.breaker.gone for _ in range(lane.endpoint.spec.concurrency)]
             watcher = asyncio.create_task(_watch(stop, halt, workers))
-            await asyncio.wait(workers)
+            if workers:
+                await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
+                halt.set()  # all done, or a worker's bug: the others stop waiting
+                await asyncio.wait(workers)
             watcher.cancel()
-            breaker.stop()
+            for lane in run.lanes:
+                lane.breaker.stop()
         for task in workers:  # a bug in a worker must not pass silently
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
-        return breaker
+        return run.lanes
 
-    async def _worker(self, run: _Run, requests: Iterator[BatchRequest], stop: StopFlag) -> None:
-        # No new request while the breaker is open: a dead endpoint holds the job, not 16 retry loops.
-        while not stop.requested and await run.breaker.wait():
-            request = next(requests, None)  # one thread: workers take turns without a lock
-            if request is None:
+    async def _worker(self, run: _Run, lane: _Lane) -> None:
+        # No new request while the breaker is open: a dead endpoint holds its workers, not 16 retry loops.
+        while not run.stop.requested and await lane.breaker.wait():
+            taken = await run.work.take()
+            if taken is None:
                 return
-            await self._serve(run, request)
+            await self._serve(run, lane, *taken)
 
-    async def _serve(self, run: _Run, request: BatchRequest) -> None:
-        """Try until the outcome is final or the request's budget is spent; return without a row
-        (not done, so a re-run does it) when the job halts."""
-        started, down_before = time.monotonic(), run.breaker.down_s()
-        for attempt in itertools.count(1):
-            if not await run.breaker.wait():
+    async def _serve(self, run: _Run, lane: _Lane, request: BatchRequest, attempts: int, spent_before: float) -> None:
+        """Try until the outcome is final or the request's budget is spent. Hand it back to the
+        shared work when this endpoint's breaker is open (another endpoint, or this one once back,
+        goes on with it); return without a row (not done: a re-run does it) when the job halts."""
+        policy, breaker, limiter = lane.endpoint.spec.retry, lane.breaker, lane.endpoint.limiter
+        started, down_before = time.monotonic(), breaker.down_s()
+        attempt = attempts
+        while True:
+            if not breaker.closed:
+                run.work.hand_back(request, attempt, _spent_s(breaker, spent_before, started, down_before))
                 return
-            result = await self._attempt(run.client, request)
-            run.breaker.report(result)
+            if limiter.needed and not await limiter.turn(request, run.halt):
+                return
+            attempt += 1
+            if attempt > 1:
+                lane.retries += 1
+            result = await self._attempt(lane, request)
+            breaker.report(result)
             if result.body is not None:
                 run.sink.result(request, result.body, result.request_id)
-                return
+                return _written(run, lane)
             if not result.retry:
                 run.sink.error(request, result.code, result.message, result.response)
-                return
-            delay = self.retry.delay(attempt, result.retry_after, self._rng)
-            # Time the breaker was open is the outage's, not this request's: one clock for the job.
-            spent = time.monotonic() - started - (run.breaker.down_s() - down_before)
-            if self.retry.exhausted(attempt, spent + delay):
+                return _written(run, lane)
+            delay = policy.delay(attempt, result.retry_after, self._rng)
+            if result.code == "rate_limited" and result.retry_after is not None:
+                limiter.pause(delay)  # the endpoint asked for a pause: all its workers hold, not just this one
+            spent = _spent_s(breaker, spent_before, started, down_before)
+            if policy.exhausted(attempt, spent + delay):
                 break
-            if await _sleep_unless(run.halt, delay):
+            # Endpoint down: hand the request back now (the loop's top), for an endpoint that is up.
+            if breaker.closed and await sleep_unless(run.halt, delay):
                 return
-            self._retries += 1
         message = f"{result.message} (gave up after {attempt} attempt(s) in {spent:.1f} s)"
         run.sink.error(request, result.code, message, result.response)
+        _written(run, lane)
 
-    async def _attempt(self, client: aiohttp.ClientSession, request: BatchRequest) -> Attempt:
+    async def _attempt(self, lane: _Lane, request: BatchRequest) -> Attempt:
         try:
-            async with client.post(request.url.lstrip("/"), data=orjson.dumps(request.body)) as reply:
+            async with lane.client.post(request.url.lstrip("/"), data=orjson.dumps(request.body)) as reply:
                 raw = await reply.read()
         except TimeoutError as exc:
-            return Attempt(code="timeout", message=f"no reply within {self.timeout:g} s ({type(exc).__name__})",
-                           retry=True, down=True)
+            return Attempt(code="timeout", retry=True, down=True,
+                           message=f"no reply within {lane.endpoint.spec.timeout_s:g} s ({type(exc).__name__})")
         except aiohttp.ClientError as exc:  # refused, reset, dropped mid-reply
             return Attempt(code="connection_error", message=_describe(exc), retry=True, down=True)
         request_id = reply.headers.get("x-request-id") or new_id("req_")
@@ -350,15 +462,71 @@ class EndpointBackend:
                            response=response, down=reply.status in DOWN_STATUSES)
         return Attempt(code=f"http_{reply.status}", message=message, response=response)
 
-    async def _probe(self, client: aiohttp.ClientSession) -> str | None:
-        """None when the endpoint answers at all (a 401 or 404 too: it is up), else why not."""
-        timeout = aiohttp.ClientTimeout(total=min(self.timeout, self.retry.probe_timeout))
-        try:
-            async with client.get(PROBE_PATH.lstrip("/"), timeout=timeout) as reply:
-                status = reply.status
-        except Exception as exc:  # whatever keeps it from answering is a failed probe, named in the end
-            return _describe(exc)
-        return f"HTTP {status} from GET {PROBE_PATH}" if status in DOWN_STATUSES else None
+
+def _session(endpoint: _Endpoint, limit: int) -> aiohttp.ClientSession:
+    spec = endpoint.spec
+    headers = {"Content-Type": "application/json"}
+    if spec.api_key:
+        headers["Authorization"] = f"Bearer {spec.api_key}"
+    return aiohttp.ClientSession(
+        base_url=endpoint.base_url + "/", headers=headers, timeout=aiohttp.ClientTimeout(total=spec.timeout_s),
+        connector=aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300), json_serialize=_json_text,
+        trust_env=True,  # HTTP(S)_PROXY / NO_PROXY from the environment, as any HTTP client a user sets up
+    )
+
+
+async def _probe(endpoint: _Endpoint, client: aiohttp.ClientSession) -> str | None:
+    """None when the endpoint answers at all (a 401 or 404 too: it is up), else why not."""
+    timeout = aiohttp.ClientTimeout(total=min(endpoint.spec.timeout_s, endpoint.spec.retry.probe_timeout))
+    try:
+        async with client.get(PROBE_PATH.lstrip("/"), timeout=timeout) as reply:
+            status = reply.status
+    except Exception as exc:  # whatever keeps it from answering is a failed probe, named in the end
+        return _describe(exc)
+    return f"HTTP {status} from GET {PROBE_PATH}" if status in DOWN_STATUSES else None
+
+
+def _lane(run: _Run, endpoint: _Endpoint, client: aiohttp.ClientSession) -> _Lane:
+    breaker = Breaker(endpoint.base_url, endpoint.spec.retry, lambda: _probe(endpoint, client), run.halt,
+                      on_gone=lambda: _lane_gone(run, lane))
+    lane = _Lane(endpoint, client, breaker)
+    endpoint.limiter.begin_run()
+    return lane
+
+
+async def _recheck(lane: _Lane) -> None:
+    if (error := await _probe(lane.endpoint, lane.client)) is not None:
+        lane.breaker.give_up(error)  # still down: left out of this run at once
+
+
+def _written(run: _Run, lane: _Lane) -> None:
+    lane.rows += 1
+    run.work.written()
+
+
+def _spent_s(breaker: Breaker, spent_before: float, started: float, down_before: float) -> float:
+    """A request's budget spent: time the breaker was open is the outage's, not the request's."""
+    return spent_before + time.monotonic() - started - (breaker.down_s() - down_before)
+
+
+def _lane_gone(run: _Run, lane: _Lane) -> None:
+    """An endpoint down for --retry-for: the others carry on with its requests, or the job ends."""
+    up = [other for other in run.lanes if not other.breaker.gone]
+    if not up:
+        run.halt.set()
+        return
+    _say(f"{_gone_text([lane])}; leaving it for the rest of this run: {len(up)} other endpoint(s) carry on "
+         "with its requests")
+
+
+def _gone_text(lanes: list[_Lane]) -> str:
+    retry_for = max(lane.endpoint.spec.retry.retry_for for lane in lanes)
+    if len(lanes) == 1:
+        [lane] = lanes
+        return (f"the endpoint {lane.endpoint.base_url} has not answered for {retry_for:g} s (--retry-for; "
+                f"last error: {lane.breaker.last_error})")
+    errors = "; ".join(f"{lane.endpoint.base_url}: {lane.breaker.last_error}" for lane in lanes)
+    return f"none of the {len(lanes)} endpoints has answered for {retry_for:g} s (--retry-for; last errors: {errors})"
 
 
 async def _watch(stop: StopFlag, halt: asyncio.Event, workers: list[asyncio.Task[None]]) -> None:
@@ -371,15 +539,6 @@ async def _watch(stop: StopFlag, halt: asyncio.Event, workers: list[asyncio.Task
                 task.cancel()
             return
         await asyncio.sleep(0.05)
-
-
-async def _sleep_unless(event: asyncio.Event, seconds: float) -> bool:
-    """Sleep; True if `event` was set first."""
-    try:
-        await asyncio.wait_for(event.wait(), seconds)
-    except TimeoutError:
-        return False
-    return True
 
 
 async def _wait_any(*events: asyncio.Event) -> None:

@@ -63,11 +63,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser, "structured outputs, for every row that asks for none of its own (docs/jobs.md)")
     ep = parser.add_argument_group("endpoint backend")
     ep.add_argument("--endpoint", action="append",
-                    help="base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1 "
-                    "(with --ray, repeat it to spread batches over several servers)")
+                    help="base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1; repeat it to "
+                    "spread the rows over several servers, each taking the next row when it has a worker free "
+                    "(a faster one takes more; with --ray, each batch goes to one of them)")
     ep.add_argument("--api-key", help=f"bearer token (default: ${' or $'.join(CLIENT_API_KEY_ENV)})")
     ep.add_argument("--concurrency", type=int,
-                    help="requests in flight (default 16; with --ray, in all replicas together)")
+                    help="requests in flight to each endpoint (default 16; with --ray, in all replicas together)")
+    ep.add_argument("--max-requests-per-minute", type=float, metavar="N",
+                    help="send each endpoint at most N requests a minute (OpenAI's RPM), in bursts of at most one "
+                    "second's share (default: no limit; with --ray, the replicas share it)")
+    ep.add_argument("--max-tokens-per-minute", type=float, metavar="N",
+                    help="send each endpoint at most N tokens a minute (OpenAI's TPM), counted as OpenAI counts "
+                    "them when a request is sent: its prompt's characters ÷ 4 + max_tokens (default: no limit)")
     ep.add_argument("--timeout", type=float, default=600.0, help="seconds per attempt (default 600)")
     ep.add_argument("--retry-for", type=float, default=600.0, metavar="SECONDS",
                     help="keep retrying a request's 429s, 5xx, timeouts and lost connections this long; an "
@@ -190,14 +197,16 @@ def backend_spec(args: argparse.Namespace) -> BackendSpec:
     """The backend the flags ask for: the embedded engine, vLLM's, an endpoint, or Ray replicas of
     any of them. ValueError naming the flag for a combination that cannot be."""
     from tokenmill.jobs.endpoint import EndpointSpec, RetryPolicy
+    from tokenmill.jobs.rate_limit import RateLimit
 
     if args.batch_api or any(getattr(args, dest) is not None for dest in BATCH_API_ONLY_FLAGS.values()):
         return batch_api_spec(args)
     urls = args.endpoint or []
     if urls and args.engine == "vllm":
         raise ValueError("--engine vllm runs vLLM in this process; --endpoint sends to a server instead: give one")
-    if len(urls) > 1 and not args.ray:
-        raise ValueError("several --endpoint need --ray (each replica spreads its batches over them)")
+    rate_limit = RateLimit(args.max_requests_per_minute, args.max_tokens_per_minute)
+    if rate_limit.limited and not urls:
+        raise ValueError("--max-requests-per-minute and --max-tokens-per-minute pace an --endpoint: give one")
     given_ray_flags = [name for name, dest in RAY_ONLY_FLAGS.items() if getattr(args, dest) is not None]
     if given_ray_flags and not args.ray:
         raise ValueError(f"{', '.join(given_ray_flags)} need --ray")
@@ -205,10 +214,12 @@ def backend_spec(args: argparse.Namespace) -> BackendSpec:
         retry = RetryPolicy(retry_for=args.retry_for, max_attempts=args.max_attempts)
         given = _given(concurrency=args.concurrency)
         endpoints = tuple(EndpointSpec(url, args.model, client_api_key(args.api_key), timeout_s=args.timeout,
-                                       retry=retry, **given) for url in urls)
+                                       retry=retry, rate_limit=rate_limit, **given) for url in urls)
     engine = None if urls else engine_spec(args)
     if not args.ray:
-        return endpoints[0] if urls else engine  # type: ignore[return-value]
+        if urls:  # several: one process spreads the rows over them (endpoint.py)
+            return endpoints[0] if len(endpoints) == 1 else endpoints
+        return engine  # type: ignore[return-value]
     options = RayOptions(address=args.ray_address, batch_size=args.ray_batch_size,
                          no_progress_timeout_s=args.no_progress_timeout,
                          **_given(replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
@@ -229,6 +240,9 @@ def batch_api_spec(args: argparse.Namespace) -> BatchApiSpec:
         raise ValueError("--batch-api leaves the work to the server's Batch API: it cannot run on --ray replicas")
     if len(args.endpoint) > 1:
         raise ValueError("--batch-api takes one --endpoint")
+    if args.max_requests_per_minute is not None or args.max_tokens_per_minute is not None:
+        raise ValueError("--max-requests-per-minute and --max-tokens-per-minute pace live requests; --batch-api "
+                         "leaves the pace to the server's Batch API")
     return BatchApiSpec(args.endpoint[0], args.model, client_api_key(args.api_key), timeout_s=args.timeout,
                         retry_for_s=args.retry_for,
                         **_given(poll_s=args.poll_interval, max_requests_per_part=args.max_requests_per_part,

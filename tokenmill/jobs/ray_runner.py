@@ -69,7 +69,8 @@ class RayOptions:
 @dataclass(frozen=True)
 class RaySpec:
     """The job data parallel on Ray: `options.replicas` actors, each running `replica` — one
-    engine, or a client of these endpoints (`concurrency` is the whole job's, shared out)."""
+    engine, or a client of these endpoints (`concurrency` and each endpoint's `rate_limit` are the
+    whole job's, shared out)."""
 
     replica: EngineConfig | VllmConfig | tuple[EndpointSpec, ...]
     options: RayOptions = field(default_factory=RayOptions)

@@ -58,7 +58,8 @@ class TokenCounts:
 @dataclass
 class EngineCounts:
     """This run, as the backend measured it: prefill/decode tokens and seconds and preemptions (an
-    engine), retries (an endpoint), replicas (--ray: engine seconds summed over them)."""
+    engine), retries and the rows each endpoint wrote (endpoints), replicas (--ray: engine seconds
+    summed over them)."""
 
     prefill_tokens: int | None
     decode_tokens: int | None
@@ -67,6 +68,7 @@ class EngineCounts:
     preemptions: int | None
     retries: int | None
     replicas: int | None
+    rows_by_endpoint: dict[str, int] | None
 
 
 @dataclass
@@ -146,6 +148,7 @@ def build_summary(
         prefill_tokens=stats.prefill_tokens, decode_tokens=stats.decode_tokens,
         prefill_s=_round(stats.prefill_s), decode_s=_round(stats.decode_s),
         preemptions=stats.num_preemptions, retries=stats.retries, replicas=stats.replicas,
+        rows_by_endpoint=stats.rows_by_endpoint,
     )
     output_rate = _rate(sink.completion_tokens, wall)
     throughput = Throughput(
@@ -212,6 +215,8 @@ def print_summary(outcome: JobOutcome, console: Console) -> None:
         table.add_row("decode", _speed(eng.decode_tokens, eng.decode_s, thr.decode_tok_s))
     if eng.retries is not None:
         table.add_row("retries", f"{eng.retries}")
+    if eng.rows_by_endpoint and len(eng.rows_by_endpoint) > 1:
+        table.add_row("endpoints", " · ".join(f"{rows:,} rows at {url}" for url, rows in eng.rows_by_endpoint.items()))
     if eng.replicas is not None:
         per = " (prefill / decode rates are per replica)" if eng.prefill_tokens is not None else ""
         table.add_row("replicas", f"{eng.replicas} on Ray{per}; output and cost are the whole job's")
