@@ -23,7 +23,7 @@ from tokenmill.jobs.config import JobConfig
 from tokenmill.jobs.output import INDEX_HEADER, INDEX_RECORD, OutputPaths
 from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.seen_ids import FLUSH_EVERY, SeenIds, id_key
-from tokenmill.jobs.spec import BatchRequest, DocumentOptions, InputStream
+from tokenmill.jobs.spec import BatchRequest, DocumentOptions, DoneLines, InputStream
 
 from .conftest import EchoBackend, assert_exactly_once, batch_line, read_jsonl, write_jsonl
 from .stub_server import StubServer
@@ -227,3 +227,47 @@ def test_the_sink_writes_the_record_before_the_row(tmp_path: Path) -> None:
     assert (base, cut, len(records)) == (0, 0, 1)
     assert int(records["line"][0]) == 7 and int(records["end"][0]) == paths.results.stat().st_size
     assert int(records["flags"][0]) == output.ENDED_BY_LENGTH
+
+
+def test_done_lines_are_runs_that_a_rerun_passes_over_whole() -> None:
+    rng = np.random.default_rng(0)
+    done = rng.random(500) < 0.7
+    done[0] = False  # line 0 is never a line
+    runs = DoneLines(done)
+    for line in range(len(done) + 3):
+        expected = 0
+        while line + expected < len(done) and done[line + expected]:
+            expected += 1
+        assert runs.run_from(line) == expected, line
+        assert (line in runs) == (expected > 0)
+
+
+class EveryOther(EchoBackend):
+    """Answers every other request it is handed and leaves the rest not done (no row)."""
+
+    def run(self, requests, sink: ResultSink, stop: StopFlag):  # type: ignore[no-untyped-def]
+        return super().run(itertools.islice(requests, 0, None, 2), sink, stop)
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".csv"])
+def test_a_rerun_over_scattered_done_lines_and_blank_lines_runs_the_rest_and_counts_every_line(
+    tmp_path: Path, suffix: str
+) -> None:
+    """Runs of done lines are passed over unread (text) or a record at a time (CSV): either way
+    the rest run once, and the summary counts every request the input has."""
+    header = ["id,prompt"] if suffix == ".csv" else []
+    body = [f"d{i},doc {i}" if suffix == ".csv" else f"doc {i}" for i in range(40)]
+    for blank in (30, 17, 9, 3):  # blank lines are not requests, and keep their line numbers
+        body.insert(blank, "")
+    path = tmp_path / f"in{suffix}"
+    path.write_text("\n".join(header + body) + "\n\n")
+    cfg = config(tmp_path, path)
+    first = EveryOther()
+    run_job(cfg, StopAfter(5), console=QUIET)  # a done prefix, then every other line of the rest
+    run_job(cfg, first, console=QUIET)
+    second = EchoBackend()
+    outcome = run_job(cfg, second, console=QUIET)
+    assert outcome.status == "done" and outcome.requests.total == 40 and outcome.requests.done == 40
+    assert len(first.served) == 18 and len(second.served) == 17 and not set(first.served) & set(second.served)
+    ids = [row["custom_id"] for row in read_jsonl(tmp_path / "out" / "results.jsonl")]
+    assert len(ids) == len(set(ids)) == 40

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from typing import IO, Any
 
+import numpy as np
 import orjson
 
 from tokenmill.engine import DEFAULT_MAX_TOKENS
@@ -259,17 +260,14 @@ class InputStream:
         self.done = False  # read to the end
 
     def read(
-        self, skip: Callable[[int], bool] | None = None, digest: Any = None
+        self, done: DoneLines | None = None, digest: Any = None
     ) -> Iterator[tuple[_Record, BatchRequest] | InputError]:
-        """Each good record with its request, each bad one as an `InputError`; a record whose line
-        `skip` names (done in an earlier run) is counted but not parsed. `digest` sees every byte."""
+        """Each good record with its request, each bad one as an `InputError`; records on lines
+        `done` names (finished in an earlier run) are counted but not parsed. `digest` sees every byte."""
         with storage.open_input(self.path) as f:
             lines = _TextLines(f, digest)
-            records = _csv_records(lines, self) if self.format == "csv" else _line_records(lines, self)
+            records = _csv_records(lines, self, done) if self.format == "csv" else _line_records(lines, self, done)
             for record in records:
-                self.records += 1
-                if skip is not None and skip(record.line):
-                    continue
                 yield self._parse(record)
             for _ in lines:  # a digest covers the whole file, blank lines after the last record too
                 pass
@@ -311,27 +309,77 @@ class _TextLines:
         return self
 
     def __next__(self) -> str:
-        self.raw = raw = self._f.readline()
+        raw = self.next_raw()
         if not raw:
             raise StopIteration
-        if self._digest is not None:
-            self._digest.update(raw)
-        self.offset += len(raw)
-        self.count += 1
         return raw.decode("utf-8", errors="surrogateescape")
 
+    def next_raw(self) -> bytes:
+        """The next line as read (b"" at the end)."""
+        self.raw = raw = self._f.readline()
+        if raw:
+            if self._digest is not None:
+                self._digest.update(raw)
+            self.offset += len(raw)
+            self.count += 1
+        return raw
 
-def _line_records(lines: _TextLines, spec: InputStream) -> Iterator[_Record]:
-    for _ in lines:
-        number, raw = lines.count, lines.raw
+    def skip(self, count: int) -> int:
+        """Pass over `count` lines unread (a resume's done lines: ~0.3 µs a line, not the ~3 µs of
+        making each a record); returns how many there were before the end."""
+        f, digest, passed, size = self._f, self._digest, 0, 0
+        while passed < count and (raw := f.readline()):
+            if digest is not None:
+                digest.update(raw)
+            passed += 1
+            size += len(raw)
+        self.offset += size
+        self.count += passed
+        self.raw = b""
+        return passed
+
+
+class DoneLines:
+    """The input lines an earlier run finished (`done[line]`, by line number), as runs: a re-run
+    passes over each run of done lines at once instead of looking at its lines one by one."""
+
+    def __init__(self, done: np.ndarray) -> None:
+        self._done = done
+        self._changes = np.flatnonzero(done[1:] != done[:-1]) + 1  # the first line of each run but the first
+
+    def __contains__(self, line: int) -> bool:
+        return line < len(self._done) and bool(self._done[line])
+
+    def run_from(self, line: int) -> int:
+        """How many lines from `line` on are done (0: `line` is not)."""
+        if line not in self:
+            return 0
+        i = int(np.searchsorted(self._changes, line, side="right"))
+        end = int(self._changes[i]) if i < len(self._changes) else len(self._done)
+        return end - line
+
+
+def _line_records(lines: _TextLines, spec: InputStream, done: DoneLines | None) -> Iterator[_Record]:
+    while True:
+        if done is not None and (run := done.run_from(lines.count + 1)):
+            passed = lines.skip(run)  # done lines are non-blank: each was a record
+            spec.records += passed
+            if passed < run:
+                return
+            continue
+        raw = lines.next_raw()
+        if not raw:
+            return
         if raw.strip():  # blank lines are not requests
+            spec.records += 1
+            number = lines.count
             parse = partial(parse_line, raw, number, spec.format, spec.options)
             yield _Record(number, lines.offset - len(raw), len(raw), parse, partial(_readable_id, raw, spec.format))
 
 
-def _csv_records(lines: _TextLines, spec: InputStream) -> Iterator[_Record]:
+def _csv_records(lines: _TextLines, spec: InputStream, done: DoneLines | None = None) -> Iterator[_Record]:
     """The header (into `spec.csv_layout`; ValueError for the whole file if it names no prompt
-    column), then a `_Record` per non-blank record."""
+    column), then a `_Record` per non-blank record not `done`."""
     reader = csv.reader(lines, delimiter=CSV_DELIMITERS.get(storage.suffix(spec.path), ","))
     while True:
         start, first_line = lines.offset, lines.count + 1
@@ -340,12 +388,16 @@ def _csv_records(lines: _TextLines, spec: InputStream) -> Iterator[_Record]:
         except StopIteration:
             return
         except csv.Error as exc:
+            spec.records += 1
             yield _Record(first_line, start, 0, _refuse(f"not CSV ({exc})"), lambda: None)
             continue
         if not any(value.strip() for value in fields):
             continue
         if spec.csv_layout is None:
             spec.csv_layout = CsvLayout.from_header(fields, reader.dialect.delimiter, spec.options)
+            continue
+        spec.records += 1
+        if done is not None and first_line in done:
             continue
         yield _Record(first_line, start, lines.offset - start,
                       partial(spec.csv_layout.request, fields, first_line, spec.options),

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from tokenmill.jobs import output
 from tokenmill.jobs.output import JobError, OutputState, RowWriter
-from tokenmill.jobs.spec import BatchRequest, Entry, InputError, InputStream, read_input
+from tokenmill.jobs.spec import BatchRequest, DoneLines, Entry, InputError, InputStream, read_input
 
 MAX_LISTED_ERRORS = 20
 
@@ -46,9 +46,8 @@ class JobWork:
 
     def requests(self) -> Iterator[BatchRequest]:
         """The requests to run, in input order, as the backend pulls them."""
-        done = self.state.done_lines
-        skip = (lambda line: line < len(done) and bool(done[line])) if len(done) > 1 else None
-        for item in self.stream.read(skip=skip):
+        done = DoneLines(self.state.done_lines) if self.state.done_lines.any() else None
+        for item in self.stream.read(done):
             if isinstance(item, InputError):
                 self.bad_line(item)
             elif self.to_run(item[1]):
