@@ -18,7 +18,7 @@ import pytest
 from tokenmill.jobs.backend import BackendStats
 from tokenmill.jobs.backend_specs import _replica_backends
 from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.endpoint import EndpointBackend, EndpointSpec, RetryPolicy
+from tokenmill.jobs.endpoint import EndpointBackend, EndpointSpec, RetryPolicy, _env_proxy
 from tokenmill.jobs.flags import add_arguments, backend_spec
 from tokenmill.jobs.output import JobFailed
 from tokenmill.jobs.rate_limit import RateLimit, estimated_tokens
@@ -242,3 +242,15 @@ def test_rows_by_endpoint_add_up_over_batches() -> None:
     for part in ({"http://a": 3}, {"http://b": 2}, {"http://a": 1}):
         total.add(BackendStats(retries=1, rows_by_endpoint=part))
     assert total.rows_by_endpoint == {"http://a": 4, "http://b": 2} and total.retries == 3
+
+
+def test_the_environment_s_proxy_is_used_except_where_no_proxy_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    assert _env_proxy("https://api.example.com") is None
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.corp:3128")
+    monkeypatch.setenv("NO_PROXY", "localhost,127.0.0.1,.internal")
+    assert _env_proxy("https://api.example.com") == "http://proxy.corp:3128"
+    assert _env_proxy("http://api.example.com") is None  # HTTP_PROXY is not set
+    assert _env_proxy("http://127.0.0.1:8000") is None
+    assert _env_proxy("https://gpu-1.internal:8000") is None
