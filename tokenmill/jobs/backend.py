@@ -87,12 +87,12 @@ class ResultSink:
         self._errors.write(output.error_row(request.custom_id, request.line, code, message, response, request.metadata))
         self._count_error(code)
 
-    def row(self, row: dict[str, Any], request: BatchRequest) -> None:
-        """A row already made by `result` / `error` elsewhere (on a Ray replica), for `request`."""
+    def row(self, row: dict[str, Any], owner: RowOwner) -> None:
+        """A row already made by `result` / `error` elsewhere (on a Ray replica), for `owner`'s request."""
         if row.get("error") is None:
             body = row["response"]["body"]
-            self._results.write(row, index_entry(request, body))
-            self._count_result(body, request.structured)
+            self._results.write(row, index_entry(owner, body))
+            self._count_result(body, owner.structured)
         else:
             self._errors.write(row)
             self._count_error(row["error"]["code"])
@@ -114,7 +114,22 @@ class ResultSink:
             self.progress.advance()
 
 
-def index_entry(request: BatchRequest, body: dict[str, Any]) -> output.IndexEntry:
+@dataclass(frozen=True, slots=True)
+class RowOwner:
+    """What a row is written for, less the request's body: its line, id and what the summary
+    counts. A backend that hands its requests elsewhere (Ray) keeps this for each, not the request."""
+
+    line: int
+    custom_id: str
+    structured: bool
+    max_tokens_defaulted: bool
+
+    @classmethod
+    def of(cls, request: BatchRequest) -> RowOwner:
+        return cls(request.line, request.custom_id, request.structured, request.max_tokens_defaulted)
+
+
+def index_entry(request: BatchRequest | RowOwner, body: dict[str, Any]) -> output.IndexEntry:
     flags = output.index_flags(request.structured, request.max_tokens_defaulted, body)
     return output.IndexEntry(request.line, id_key(request.custom_id), flags)
 

@@ -50,6 +50,7 @@ from tokenmill.jobs.batch_parts import (
     check_limits,
     too_big,
 )
+from tokenmill.jobs.endpoint import check_retry_for, check_server
 from tokenmill.jobs.output import JobError, JobFailed
 from tokenmill.jobs.spec import BatchRequest
 
@@ -89,16 +90,12 @@ class BatchApiSpec:
     retry_for_s: float = 600.0  # how long a failing upload / create / poll keeps being retried
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"--endpoint must be an http:// or https:// URL, got {self.url!r}")
+        check_server(self.url, self.timeout_s)
+        check_retry_for(self.retry_for_s)
         if self.poll_s <= 0:
             raise ValueError(f"--poll-interval must be positive, got {self.poll_s:g}")
         check_limits(self.max_requests_per_part, self.max_bytes_per_part,
                      "--max-requests-per-part", "--max-bytes-per-part")
-        if self.timeout_s <= 0:
-            raise ValueError(f"--timeout must be positive, got {self.timeout_s:g}")
-        if self.retry_for_s < 0:
-            raise ValueError(f"--retry-for must be >= 0, got {self.retry_for_s:g}")
 
 
 # ---- the state file ------------------------------------------------------------------------------

@@ -59,8 +59,7 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         if self.max_attempts is not None and self.max_attempts < 1:
             raise ValueError(f"--max-attempts must be >= 1, got {self.max_attempts}")
-        if self.retry_for < 0:
-            raise ValueError(f"--retry-for must be >= 0, got {self.retry_for:g}")
+        check_retry_for(self.retry_for)
 
     def backoff(self, attempt: int, rng: random.Random) -> float:
         """Equal jitter: half the exponential delay for sure, the other half at random, so
@@ -125,12 +124,24 @@ class EndpointSpec:
     rate_limit: RateLimit = field(default_factory=RateLimit)
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"--endpoint must be an http:// or https:// URL, got {self.url!r}")
+        check_server(self.url, self.timeout_s)
         if self.concurrency <= 0:
             raise ValueError(f"--concurrency must be positive, got {self.concurrency}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"--timeout must be positive, got {self.timeout_s:g}")
+
+
+def check_server(url: str, timeout_s: float) -> None:
+    """What every spec of an OpenAI-compatible server asks of its URL and per-call timeout
+    (EndpointSpec, and batch_api.BatchApiSpec): ValueError naming the flag."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--endpoint must be an http:// or https:// URL, got {url!r}")
+    if timeout_s <= 0:
+        raise ValueError(f"--timeout must be positive, got {timeout_s:g}")
+
+
+def check_retry_for(seconds: float) -> None:
+    """--retry-for: how long failures are retried (RetryPolicy, and the Batch API's control calls)."""
+    if seconds < 0:
+        raise ValueError(f"--retry-for must be >= 0, got {seconds:g}")
 
 
 class Breaker:

@@ -30,6 +30,7 @@ from tokenmill.jobs.backend import (
     BackendStats,
     LoadsToCheck,
     ResultSink,
+    RowOwner,
     SharesMachine,
     StopFlag,
 )
@@ -139,11 +140,11 @@ class RayBackend:
         from ray.data.exceptions import ExecutionTimeoutError
 
         items: list[dict[str, Any]] = []
-        # What the rows coming back are written for: their line, and what the summary counts.
-        asked: dict[str, BatchRequest] = {}
+        # What the rows coming back are written for (not the requests: their items hold their bodies).
+        asked: dict[str, RowOwner] = {}
         for request in requests:
             items.append(to_item(request))
-            asked[request.custom_id] = request
+            asked[request.custom_id] = RowOwner.of(request)
         totals = BackendStats(replicas=self.options.replicas)
         if not items:
             return totals
