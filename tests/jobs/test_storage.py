@@ -190,6 +190,21 @@ def test_a_missing_object_and_a_missing_protocol_package_are_named(
             storage.open_input("gs://b/in.jsonl")
 
 
+def test_an_http_input_is_read_through_fsspec(bucket: str, tmp_path: Path) -> None:
+    """An input given by an http(s):// URL: a presigned object URL, read with Range requests, with a
+    local output; a re-run with the URL signed anew resumes (the input is known by its content)."""
+    out = tmp_path / "out"
+    fs = s3fs.S3FileSystem()
+    with StubServer() as stub:
+        flags = ["-o", str(out), "--endpoint", stub.url, "--max-tokens", "4", "--no-progress"]
+        assert main(["run", fs.sign(f"{bucket}/in.jsonl"), *flags]) == 1  # the bad line failed
+        assert len(stub.bodies) == ROWS
+        assert main(["run", fs.sign(f"{bucket}/in.jsonl", expiration=7200), *flags]) == 1  # signed anew
+        assert len(stub.bodies) == ROWS  # nothing sent again
+    ids = sorted(json.loads(line)["custom_id"] for line in (out / "results.jsonl").read_text().splitlines())
+    assert ids == [f"r-{i:02d}" for i in range(ROWS)]
+
+
 def test_locations() -> None:
     assert storage.location("s3://b/k.jsonl") == "s3://b/k.jsonl"  # a Path would fold the "//"
     assert storage.location("file:///data/in.jsonl") == Path("/data/in.jsonl")
