@@ -10,7 +10,11 @@ from typing import Any
 import pytest
 
 from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
+from tokenmill.jobs.endpoint import RetryPolicy
 from tokenmill.jobs.spec import BatchRequest
+
+# Endpoint tests: a few quick tries, so a failure is final within a second.
+FAST_RETRY = RetryPolicy(max_attempts=4, base_delay=0.01, max_delay=0.05)
 
 
 def batch_line(custom_id: str, content: str, url: str = "/v1/chat/completions", **body: Any) -> dict[str, Any]:
@@ -79,3 +83,10 @@ class EchoBackend:
 @pytest.fixture
 def echo() -> EchoBackend:
     return EchoBackend()
+
+
+@pytest.fixture
+def no_proxies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No proxy from the environment may carry a test's traffic to its servers on 127.0.0.1 elsewhere."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)

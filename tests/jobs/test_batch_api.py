@@ -52,12 +52,7 @@ from .conftest import batch_line as input_line
 MODEL = "smollm-test"
 FLAGS = ["--max-tokens", "3", "--temperature", "0", "--model", MODEL, "--no-progress", "--poll-interval", "0.2"]
 
-
-@pytest.fixture(autouse=True)
-def no_proxies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The server is on 127.0.0.1: no proxy from the environment may carry the traffic elsewhere."""
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("no_proxies")  # the servers are on 127.0.0.1
 
 
 @pytest.fixture(scope="module")

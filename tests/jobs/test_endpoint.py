@@ -21,19 +21,13 @@ from tokenmill.jobs.output import JobFailed
 from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.spec import BatchRequest, DocumentOptions
 
-from .conftest import assert_exactly_once, batch_line, read_jsonl, write_jsonl
+from .conftest import FAST_RETRY, assert_exactly_once, batch_line, read_jsonl, write_jsonl
 from .stub_server import StubServer
 
-FAST_RETRY = RetryPolicy(max_attempts=4, base_delay=0.01, max_delay=0.05)
 # No attempt cap: a time budget, short backoffs, and an open breaker probing every 0.2 s at most.
 OUTAGE_RETRY = RetryPolicy(retry_for=30, base_delay=0.01, max_delay=0.05, max_probe_delay=0.2)
 
-
-@pytest.fixture(autouse=True)
-def no_proxies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The stub is on 127.0.0.1: no proxy from the environment may carry the traffic elsewhere."""
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("no_proxies")  # the servers are on 127.0.0.1
 
 
 def backend(stub: StubServer, **kw) -> EndpointBackend:

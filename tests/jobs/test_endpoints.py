@@ -26,17 +26,10 @@ from tokenmill.jobs.ray_runner import RaySpec
 from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.spec import BatchRequest, DocumentOptions
 
-from .conftest import assert_exactly_once, batch_line, read_jsonl, write_jsonl
+from .conftest import FAST_RETRY, assert_exactly_once, batch_line, read_jsonl, write_jsonl
 from .stub_server import StubServer
 
-FAST_RETRY = RetryPolicy(max_attempts=4, base_delay=0.01, max_delay=0.05)
-
-
-@pytest.fixture(autouse=True)
-def no_proxies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The stubs are on 127.0.0.1: no proxy from the environment may carry the traffic elsewhere."""
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("no_proxies")  # the servers are on 127.0.0.1
 
 
 def spec(url: str, **kw) -> EndpointSpec:

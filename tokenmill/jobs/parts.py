@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import queue
 import re
 import threading
@@ -124,7 +123,7 @@ class PartStore:
         number = position.part + 1
         entries = output.read_index_records(journal.index, position.records, records)
         for path in (journal.index, journal.results):  # a part must hold no row the journal could still lose
-            _fsync(path)
+            storage.fsync(path)
         built = self.store.temp_path(self.data_name(number))
         with built.open("wb") as f:
             self._write_rows(journal.results, position.offset, end, f)
@@ -166,11 +165,6 @@ def _journal_lines(path: Path, start: int, end: int) -> Iterator[bytes]:
         while at < end and (line := f.readline()):
             at += len(line)
             yield line
-
-
-def _fsync(path: Path) -> None:
-    with path.open("rb") as f:
-        os.fsync(f.fileno())
 
 
 class PartSealer:

@@ -150,7 +150,7 @@ class Store:
     def commit(self, name: str, built: Path) -> None:
         """Make the local file `built` (from `temp_path`) the file `name`; `built` is gone after."""
         if self._fs is None:
-            _fsync(built)
+            fsync(built)
             os.replace(built, self._local(name))
             return
         try:
@@ -219,6 +219,7 @@ class Store:
         return Path(self._base) / name
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """Make a local file's bytes durable (before a rename, or before a copy counts as committed)."""
     with path.open("rb") as f:
         os.fsync(f.fileno())
