@@ -7,13 +7,14 @@ from typing import Any
 
 import pytest
 
-from tokenmill.engine import DEFAULT_MAX_TOKENS, RequestOutput, StructuredOutputsParams
+from tokenmill.engine import DEFAULT_MAX_TOKENS, RequestOutput, StructuredOutputsParams, TokenLogprob
 from tokenmill.engine.sequence import RequestTimings
 from tokenmill.openai_compat import (
     CHAT_URL,
     COMPLETIONS_URL,
     OpenAIRequest,
     RequestError,
+    check_fields,
     check_prompt_size,
     check_structured_outputs,
     engine_inputs,
@@ -23,6 +24,7 @@ from tokenmill.openai_compat import (
     structured_outputs,
     structured_outputs_body,
     structured_outputs_fields,
+    token_decoder,
 )
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -49,7 +51,14 @@ def test_body_fields_become_sampling_params() -> None:
     ({"n": 2}, "n", "body.n = 2: tokenmill returns one choice per request"),
     ({"n": 0}, "n", "body.n must be >= 1, got 0"),
     ({"tools": [{"type": "function"}]}, "tools", "body.tools is not supported by tokenmill"),
-    ({"logprobs": True}, "logprobs", "body.logprobs is not supported"),
+    ({"logprobs": 3}, "logprobs", "body.logprobs must be true or false, got 3"),
+    ({"logprobs": "true"}, "logprobs", 'body.logprobs must be true or false, got "true"'),
+    ({"top_logprobs": 2}, "top_logprobs", "body.top_logprobs needs body.logprobs: true"),
+    ({"logprobs": False, "top_logprobs": 0}, "top_logprobs", "body.top_logprobs needs body.logprobs: true"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "body.top_logprobs must be in [0, 20], got 21"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "body.top_logprobs must be in [0, 20], got -1"),
+    ({"logprobs": True, "top_logprobs": True}, "top_logprobs", "body.top_logprobs must be an integer, got true"),
+    ({"logprobs": True, "top_logprobs": 2.0}, "top_logprobs", "body.top_logprobs must be an integer, got 2.0"),
     ({"top_p": 2}, "top_p", "body.top_p must be in (0, 1]"),
     ({"max_tokens": 4, "min_tokens": 9}, "min_tokens", "body.min_tokens must be in [0, max_tokens=4]"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages",
@@ -73,6 +82,36 @@ def test_refusals_name_the_field(body: dict[str, Any], param: str, words: str) -
     with pytest.raises(RequestError) as exc:
         parse_request(CHAT_URL, {**CHAT, **body})
     assert exc.value.param == param and words in str(exc.value)
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ({"logprobs": 6}, "body.logprobs must be in [0, 5], got 6"),
+    ({"logprobs": True}, "body.logprobs must be an integer, got true"),
+    ({"logprobs": "2"}, 'body.logprobs must be an integer, got "2"'),
+    ({"logprobs": 2, "top_logprobs": 2}, "body.top_logprobs is a chat field"),
+])
+def test_completions_logprobs_follow_openais_rules(body: dict[str, Any], words: str) -> None:
+    with pytest.raises(RequestError) as exc:
+        parse_request(COMPLETIONS_URL, {"prompt": "hi", **body})
+    assert words in str(exc.value) and exc.value.param == words.split()[0].removeprefix("body.")
+    with pytest.raises(RequestError, match="body.logprobs|body.top_logprobs"):
+        check_fields({"prompt": "hi", **body}, COMPLETIONS_URL)  # what a batch line is checked by
+
+
+@pytest.mark.parametrize(("url", "fields", "expected"), [
+    (CHAT_URL, {}, None),
+    (CHAT_URL, {"logprobs": False}, None),
+    (CHAT_URL, {"logprobs": None, "top_logprobs": None}, None),
+    (CHAT_URL, {"logprobs": True}, 0),
+    (CHAT_URL, {"logprobs": True, "top_logprobs": 20}, 20),
+    (COMPLETIONS_URL, {}, None),
+    (COMPLETIONS_URL, {"logprobs": 0}, 0),
+    (COMPLETIONS_URL, {"logprobs": 5}, 5),
+])
+def test_logprobs_in_each_endpoints_words(url: str, fields: dict[str, Any], expected: int | None) -> None:
+    body = {**(CHAT if url == CHAT_URL else {"prompt": "hi"}), **fields}
+    assert parse_request(url, body).params.logprobs == expected
+    assert parse_request(url, body, fields_checked=True).params.logprobs == expected
 
 
 def test_a_body_whose_fields_were_checked_is_not_checked_again() -> None:
@@ -145,6 +184,53 @@ def test_response_bodies_and_usage() -> None:
     text = response_body(COMPLETIONS_URL, output(finish_reason="length"), "m")
     assert text["id"].startswith("cmpl-") and text["object"] == "text_completion"
     assert text["choices"][0]["text"] == "Paris." and text["choices"][0]["finish_reason"] == "length"
+
+
+LOGPROBS = [TokenLogprob(7, -0.25, ((7, -0.25), (9, -1.75))), TokenLogprob(8, -0.5, ((4, -0.375), (8, -0.5)))]
+TOKENS = {7: "Par", 8: "ís", 9: "Lon", 4: "is"}
+
+
+def test_chat_logprobs_in_openais_shape() -> None:
+    out = output("París")
+    out.logprobs = LOGPROBS
+    body = response_body(CHAT_URL, out, "m", token_text=TOKENS.__getitem__)
+    assert body["choices"][0]["logprobs"] == {"content": [
+        {"token": "Par", "logprob": -0.25, "bytes": [80, 97, 114], "top_logprobs": [
+            {"token": "Par", "logprob": -0.25, "bytes": [80, 97, 114]},
+            {"token": "Lon", "logprob": -1.75, "bytes": [76, 111, 110]}]},
+        {"token": "ís", "logprob": -0.5, "bytes": [195, 173, 115], "top_logprobs": [  # UTF-8 bytes
+            {"token": "is", "logprob": -0.375, "bytes": [105, 115]},
+            {"token": "ís", "logprob": -0.5, "bytes": [195, 173, 115]}]},
+    ]}
+    assert response_body(CHAT_URL, output(), "m")["choices"][0]["logprobs"] is None  # not asked
+
+
+def test_completion_logprobs_in_openais_legacy_shape() -> None:
+    out = output("París")
+    out.logprobs = [*LOGPROBS, TokenLogprob(9, -3.0, ((7, -0.1),))]  # the chosen token below the top: added
+    body = response_body(COMPLETIONS_URL, out, "m", token_text=TOKENS.__getitem__)
+    assert body["choices"][0]["logprobs"] == {
+        "tokens": ["Par", "ís", "Lon"],
+        "token_logprobs": [-0.25, -0.5, -3.0],
+        "top_logprobs": [{"Par": -0.25, "Lon": -1.75}, {"is": -0.375, "ís": -0.5}, {"Par": -0.1, "Lon": -3.0}],
+        "text_offset": [0, 3, 5],
+    }
+    out.logprobs = []
+    assert response_body(COMPLETIONS_URL, out, "m")["choices"][0]["logprobs"] == {
+        "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def test_tokens_show_as_their_own_text() -> None:
+    class Tokenizer:
+        calls = 0
+
+        def decode(self, ids: list[int]) -> str:
+            Tokenizer.calls += 1
+            return f"<{ids[0]}>"
+
+    text_of = token_decoder(Tokenizer())
+    assert [text_of(3), text_of(3), text_of(4)] == ["<3>", "<3>", "<4>"] and Tokenizer.calls == 2  # remembered
+    assert token_decoder(None)(3) == "token_id:3"  # a model without a tokenizer
 
 
 # ---- structured outputs --------------------------------------------------------------------------

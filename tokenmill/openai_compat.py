@@ -10,6 +10,10 @@ every path.
 To support a new body field: check it in `check_fields`, read it in `sampling_params` (or refuse it
 in `UNSUPPORTED_FIELDS`).
 
+Log-probabilities are asked for in each endpoint's own words (chat: `logprobs: true` with
+`top_logprobs: N`; completions: `logprobs: N`), become `SamplingParams.logprobs`, and come back in
+that endpoint's own shape (`response_body`), each token shown as its text decoded alone.
+
 A structured output (a JSON schema, JSON mode, a choice, a regex, a grammar) comes from one of
 `STRUCTURED_OUTPUTS_FIELDS`: OpenAI's `response_format` or one of vLLM's extensions, so that
 files written for vLLM run unchanged. Its shape is checked here; whether it compiles is the
@@ -18,11 +22,14 @@ engine's to say, and `check_structured_outputs` names the field it came from.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import math
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -31,13 +38,14 @@ from jinja2 import TemplateError
 from tokenmill.engine import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
+    MAX_LOGPROBS,
     ChecksBeforeTokenizing,
     SamplingParams,
     StructuredOutputsParams,
 )
 
 if TYPE_CHECKING:  # names only: their modules load torch, which a body's checks do not need
-    from tokenmill.engine import InProcessModel, Prompt, RequestOutput
+    from tokenmill.engine import InProcessModel, Prompt, RequestOutput, TokenLogprob
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -46,7 +54,7 @@ SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL)
 # Body fields that change what the caller gets back; refusing beats silently ignoring them.
 # (The server takes `stream` off a live request before it gets here; a batch line cannot stream.)
 UNSUPPORTED_FIELDS = (
-    "tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs",
+    "tools", "tool_choice", "functions", "function_call",
     "logit_bias", "echo", "suffix", "best_of", "stream", "presence_penalty", "frequency_penalty",
 )
 
@@ -76,6 +84,8 @@ MAX_TEMPERATURE = 2.0
 MAX_STOP_SEQUENCES = 16  # OpenAI allows 4; vLLM sets no limit, and files written for it carry more
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what a 64-bit generator takes
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # "tool" would need tools
+MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat's top_logprobs: 0..20
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs: 0..5
 
 
 @dataclass(frozen=True)
@@ -99,7 +109,7 @@ def parse_request(url: str, body: dict[str, Any], *, fields_checked: bool = Fals
     for name in UNSUPPORTED_FIELDS:
         if body.get(name) not in (None, False, 0, [], {}):
             raise RequestError(f"body.{name} is not supported by tokenmill", name)
-    params = sampling_params(body, fields_checked=fields_checked)  # every field, and how they combine
+    params = sampling_params(body, url=url, fields_checked=fields_checked)  # every field, and how they combine
     n = body.get("n", 1)
     if n != 1:
         raise RequestError(f"body.n = {n}: tokenmill returns one choice per request", "n")
@@ -117,9 +127,10 @@ def template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
     return kwargs
 
 
-def check_fields(body: dict[str, Any]) -> None:
+def check_fields(body: dict[str, Any], url: str = CHAT_URL) -> None:
     """The type and range of every sampling field present: a string "5", `true` or Infinity is
-    refused naming the field, never coerced. Raises RequestError."""
+    refused naming the field, never coerced. `url`: the endpoint, whose words `logprobs` is read
+    in. Raises RequestError."""
     for name in ("max_tokens", "max_completion_tokens", "n"):
         _integer(body, name, 1)
     _integer(body, "min_tokens", 0)
@@ -134,6 +145,31 @@ def check_fields(body: dict[str, Any]) -> None:
     if ids is not None and not (isinstance(ids, list) and all(_is_int(t) and t >= 0 for t in ids)):
         raise RequestError(f"body.stop_token_ids must be a list of token ids (integers >= 0), got {_show(ids)}",
                            "stop_token_ids")
+    _check_logprobs(body, url)
+
+
+def _check_logprobs(body: dict[str, Any], url: str) -> None:
+    """OpenAI's rules: chat asks with `logprobs: true` and `top_logprobs: 0..20` (only beside it);
+    completions with `logprobs: 0..5`, and has no top_logprobs."""
+    if url != CHAT_URL:
+        _integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+        if body.get("top_logprobs") is not None:
+            raise RequestError("body.top_logprobs is a chat field: a /v1/completions body asks for N alternatives "
+                               "with body.logprobs: N", "top_logprobs")
+        return
+    if not isinstance(body.get("logprobs", False), (bool, type(None))):
+        raise RequestError(f"body.logprobs must be true or false, got {_show(body['logprobs'])} (the number of "
+                           "alternatives is body.top_logprobs)", "logprobs")
+    _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if body.get("top_logprobs") is not None and body.get("logprobs") is not True:
+        raise RequestError("body.top_logprobs needs body.logprobs: true", "top_logprobs")
+
+
+def requested_logprobs(body: dict[str, Any], url: str) -> int | None:
+    """SamplingParams.logprobs for a checked body: how many alternatives per token, or None."""
+    if url == CHAT_URL:
+        return (body.get("top_logprobs") or 0) if body.get("logprobs") is True else None
+    return body.get("logprobs")
 
 
 def _integer(body: dict[str, Any], name: str, low: int, high: int | None = None) -> None:
@@ -181,11 +217,11 @@ def requested_max_tokens(body: dict[str, Any]) -> int:
     return body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
 
 
-def sampling_params(body: dict[str, Any], *, fields_checked: bool = False) -> SamplingParams:
+def sampling_params(body: dict[str, Any], *, url: str = CHAT_URL, fields_checked: bool = False) -> SamplingParams:
     """OpenAI (and vLLM's extra) body fields → SamplingParams; RequestError names the body field.
-    `fields_checked`: `check_fields` has already passed on this body."""
+    `url`: the endpoint the body is for; `fields_checked`: `check_fields` has already passed on it."""
     if not fields_checked:
-        check_fields(body)
+        check_fields(body, url)
     stop = body.get("stop") or []
     top_k = body.get("top_k", 0)
     structured = structured_outputs(body)
@@ -201,6 +237,7 @@ def sampling_params(body: dict[str, Any], *, fields_checked: bool = False) -> Sa
             stop_token_ids=list(body.get("stop_token_ids") or []),
             stop=[stop] if isinstance(stop, str) else list(stop),
             structured_outputs=structured,
+            logprobs=requested_logprobs(body, url),
         )
     except (TypeError, ValueError) as exc:
         message = str(exc).replace("SamplingParams.", "body.")
@@ -378,14 +415,56 @@ def usage(out: RequestOutput) -> dict[str, Any]:
     }
 
 
-def response_body(url: str, out: RequestOutput, model: str, response_id: str | None = None) -> dict[str, Any]:
-    """A finished output as the chat.completion or text_completion object OpenAI would return."""
+TokenText = Callable[[int], str]  # a token id → the text logprobs show for it
+
+
+def token_decoder(tokenizer: Any) -> TokenText:
+    """Each token's own text, for logprobs: the token decoded alone, as vLLM shows it (a piece of
+    a character that takes several tokens comes out as U+FFFD), remembered per id. Without a
+    tokenizer, "token_id:N" (vLLM's spelling for a token it does not decode)."""
+    if tokenizer is None:
+        return lambda token_id: f"token_id:{token_id}"
+    return functools.cache(lambda token_id: tokenizer.decode([token_id]))
+
+
+def response_body(url: str, out: RequestOutput, model: str, response_id: str | None = None, *,
+                  token_text: TokenText | None = None) -> dict[str, Any]:
+    """A finished output as the chat.completion or text_completion object OpenAI would return.
+    `token_text`: how logprobs show a token (`token_decoder` of the model's tokenizer)."""
+    text_of = token_text or token_decoder(None)
     if url == CHAT_URL:
+        logprobs = None if out.logprobs is None else chat_logprobs(out.logprobs, text_of)
         choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                  "logprobs": None, "finish_reason": out.finish_reason}
+                  "logprobs": logprobs, "finish_reason": out.finish_reason}
         kind = "chat.completion"
     else:
-        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+        logprobs = None if out.logprobs is None else completion_logprobs(out.logprobs, text_of)
+        choice = {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
         kind = "text_completion"
     return {"id": response_id or new_response_id(url), "object": kind, "created": int(time.time()),
             "model": model, "choices": [choice], "usage": usage(out)}
+
+
+def chat_logprobs(logprobs: list[TokenLogprob], text_of: TokenText) -> dict[str, Any]:
+    """`choices[0].logprobs` of a chat.completion: per token its text, logprob and UTF-8 bytes,
+    and its top_logprobs in the same shape, most likely first."""
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = text_of(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs]}
+
+
+def completion_logprobs(logprobs: list[TokenLogprob], text_of: TokenText) -> dict[str, Any]:
+    """`choices[0].logprobs` of a text_completion (OpenAI's legacy shape): parallel lists of the
+    tokens, their logprobs, {token: logprob} of the alternatives (the chosen token always among
+    them, so up to N + 1), and where each token starts in the text of the tokens before it."""
+    tokens = [text_of(lp.token_id) for lp in logprobs]
+    tops = []
+    for lp, token in zip(logprobs, tokens, strict=True):
+        top = {text_of(t): v for t, v in lp.top}
+        top.setdefault(token, lp.logprob)
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs], "top_logprobs": tops,
+            "text_offset": list(itertools.accumulate(map(len, tokens), initial=0))[:-1]}

@@ -37,6 +37,30 @@ def chat_line(custom_id: str, review: str) -> dict:
             "body": {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": review}]}}
 
 
+def test_run_logprobs_flag_puts_logprobs_in_every_result_row(tmp_path: Path, llm: LLM) -> None:
+    """`tokenmill run --logprobs 2`: the flag reaches every body in its own words, and each result row
+    carries OpenAI's logprobs shape for its endpoint, one entry per answer token."""
+    from tokenmill.cli import build_parser
+    from tokenmill.jobs.flags import job_config
+
+    rows = [chat_line("chat", "The kettle boils fast."), batch_line("text", "The capital of France is",
+                                                                      url="/v1/completions")]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    args = build_parser().parse_args(["run", str(path), "-o", str(tmp_path / "out"), "--logprobs", "2",
+                                      "--max-tokens", "4", "--temperature", "0", "--no-progress"])
+    assert run_job(job_config(args), EmbeddedBackend(llm=llm)).status == "done"
+    bodies = {r["custom_id"]: r["response"]["body"] for r in read_jsonl(tmp_path / "out/results.jsonl")}
+    chat, text = bodies["chat"], bodies["text"]
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat["usage"]["completion_tokens"]
+    assert all(len(t["top_logprobs"]) == 2 and t["logprob"] <= 0 and bytes(t["bytes"]).decode() == t["token"]
+               for t in content)
+    logprobs = text["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == text["usage"]["completion_tokens"]
+    assert "".join(logprobs["tokens"]) == text["choices"][0]["text"]
+    assert all(token in top for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"], strict=True))
+
+
 @pytest.mark.slow
 def test_batch_job_end_to_end(tmp_path: Path, llm: LLM) -> None:
     rows = [

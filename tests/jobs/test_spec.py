@@ -149,6 +149,32 @@ def test_options_fill_bodies_but_do_not_override_them(tmp_path: Path) -> None:
     assert a.body["temperature"] == 0.5
 
 
+def test_logprobs_fill_each_body_in_its_own_words(tmp_path: Path) -> None:
+    rows = [batch_line("chat", "x"), batch_line("text", "x", url="/v1/completions"),
+            batch_line("own", "x", logprobs=False), batch_line("own-top", "x", logprobs=True, top_logprobs=1),
+            batch_line("own-text", "x", url="/v1/completions", logprobs=0)]
+    spec = read_input(write_jsonl(tmp_path / "in.jsonl", rows), DocumentOptions(logprobs=3))
+    assert not spec.errors
+    bodies = {r.custom_id: r.body for r in spec.requests(spec.entries)}
+    asked = {name: {k: body.get(k) for k in ("logprobs", "top_logprobs")} for name, body in bodies.items()}
+    assert asked == {
+        "chat": {"logprobs": True, "top_logprobs": 3},
+        "text": {"logprobs": 3, "top_logprobs": None},
+        "own": {"logprobs": False, "top_logprobs": None},  # a body that says what it wants keeps it
+        "own-top": {"logprobs": True, "top_logprobs": 1},
+        "own-text": {"logprobs": 0, "top_logprobs": None},
+    }
+    # Above /v1/completions' 5, a completions line is refused naming the field; chat takes up to 20.
+    many = read_input(write_jsonl(tmp_path / "many.jsonl", rows[:2]), DocumentOptions(logprobs=20))
+    assert [e.message for e in many.errors] == ["line 2: body.logprobs must be in [0, 5], got 20"]
+
+
+def test_logprobs_join_the_fingerprint_only_when_set() -> None:
+    assert "logprobs" not in DocumentOptions().fingerprint()  # a job from before the option still resumes
+    assert DocumentOptions(logprobs=0).fingerprint()["logprobs"] == 0
+    assert DocumentOptions(logprobs=2).fingerprint() != DocumentOptions(logprobs=3).fingerprint()
+
+
 def test_format_detection_and_forcing(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "in.data", [{"prompt": "x"}])
     assert read_input(path, DocumentOptions()).format == "jsonl"
@@ -171,6 +197,10 @@ def test_bad_options_are_refused() -> None:
         DocumentOptions(template="no placeholder")
     with pytest.raises(ValueError, match="--max-tokens"):
         DocumentOptions(max_tokens=0)
+    with pytest.raises(ValueError, match=r"--logprobs must be in \[0, 20\], got 21"):
+        DocumentOptions(logprobs=21)
+    with pytest.raises(ValueError, match="--logprobs 6 with --completions: /v1/completions takes at most 5"):
+        DocumentOptions(logprobs=6, completions=True)
 
 
 def test_embedded_backend_rules_are_checked_up_front(tmp_path: Path) -> None:

@@ -82,6 +82,26 @@ def test_streaming_matches_non_streaming(client: openai.OpenAI) -> None:
     assert pieces[-1].choices[0].finish_reason == "length" and pieces[-1].usage is None
 
 
+def test_logprobs_through_the_openai_client(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and "".join(t.token for t in content).startswith(
+        chat.choices[0].message.content)
+    for token in content:
+        assert token.logprob <= 0 and len(token.top_logprobs) == 2 and bytes(token.bytes).decode() == token.token
+        assert token.top_logprobs[0].token == token.token  # greedy: the most likely one
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2)
+    logprobs = text.choices[0].logprobs
+    assert "".join(logprobs.tokens) == text.choices[0].text and len(logprobs.token_logprobs) == 3
+    assert all(token in top and len(top) == 2 for token, top in zip(logprobs.tokens, logprobs.top_logprobs,
+                                                                    strict=True))
+    assert logprobs.text_offset[0] == 0
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
 def test_64_concurrent_async_requests(server: Running) -> None:
     async def main() -> list:
         client = openai.AsyncOpenAI(base_url=server.v1, api_key="unused", max_retries=0)
@@ -222,7 +242,9 @@ BAD = [  # (body changes, status, param or code)
     ({"prompt": ["one", "two"]}, 400, "prompt"),
     ({"prompt": ""}, 400, None),
     ({"prompt": "word " * 600}, 400, "context_length_exceeded"),
-    ({"logprobs": 3}, 400, "logprobs"),
+    ({"logprobs": 6}, 400, "logprobs"),  # OpenAI's /v1/completions takes 0..5
+    ({"logprobs": True}, 400, "logprobs"),  # … as a number
+    ({"logprobs": 1, "stream": True}, 400, "stream"),  # logprobs are not streamed
     ({"model": None}, 400, "model"),
     # refused, never coerced or passed on (each was a 200 or a 400 naming no field)
     ({"max_tokens": "5"}, 400, "max_tokens"),

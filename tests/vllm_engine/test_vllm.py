@@ -4,6 +4,7 @@ the side-by-side benchmark. `make test` skips this file (vLLM is not installed t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -136,6 +137,37 @@ def test_structured_outputs_reach_vllm(vllm_llm: VllmLLM) -> None:
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert done["label"].text in ("positive", "negative")
+
+
+def test_logprobs_equal_transformers_through_vllm(vllm_llm: VllmLLM, folder: str) -> None:
+    """SamplingParams.logprobs reaches vLLM and its per-token dicts come back as TokenLogprobs: the
+    sampled token's logprob and the top 3 in order, as transformers' log_softmax at each step
+    (teacher-forced on vLLM's own tokens); a request that does not ask gets none."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = vllm_llm.engine
+    ids = list(vllm_llm.tokenizer.encode(PROMPTS[0]))
+    engine.add_request({"prompt_token_ids": ids}, dataclasses.replace(GREEDY, logprobs=3), request_id="lp")
+    engine.add_request({"prompt_token_ids": ids}, GREEDY, request_id="plain")
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    out = done["lp"]
+    assert done["plain"].logprobs is None
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == MAX_NEW
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1 : -1]
+    expected = logits.float().log_softmax(-1)
+    worst = 0.0
+    for step, (token, found) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        assert found.token_id == token
+        values = expected[step].topk(3).values.tolist()
+        diffs = [abs(found.logprob - float(expected[step, token]))]
+        diffs += [abs(v - w) for (_, v), w in zip(found.top, values, strict=True)]
+        worst = max(worst, *diffs)
+    print(f"vLLM's logprobs are within {worst:.2e} of transformers'")
+    assert worst <= 1e-3  # fp32 on both: ~4e-5 seen
 
 
 def _job_command(tmp_path: Path, folder: str) -> tuple[list[str], Path]:

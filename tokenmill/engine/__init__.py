@@ -26,17 +26,19 @@ if TYPE_CHECKING:  # the same names, for readers and type checkers
     from tokenmill.engine.sampling_params import (
         DEFAULT_MAX_TOKENS,
         DEFAULT_TEMPERATURE,
+        MAX_LOGPROBS,
         SamplingParams,
         StructuredOutputsParams,
     )
     from tokenmill.engine.scheduler import SchedulerMetrics, SchedulerStats
-    from tokenmill.engine.sequence import RequestTimings
+    from tokenmill.engine.sequence import RequestTimings, TokenLogprob
 
 # export -> the module of this package that defines it
 _EXPORTS = {
     "DEFAULT_CHAT_TEMPLATE_KWARGS": "llm",
     "DEFAULT_MAX_TOKENS": "sampling_params",
     "DEFAULT_TEMPERATURE": "sampling_params",
+    "MAX_LOGPROBS": "sampling_params",
     "LLM": "llm",
     "ChecksBeforeTokenizing": "interface",
     "EngineConfig": "config",
@@ -54,6 +56,7 @@ _EXPORTS = {
     "SchedulerStats": "scheduler",
     "StepEngine": "interface",
     "StructuredOutputsParams": "sampling_params",
+    "TokenLogprob": "sequence",
     "chat_prompt_ids": "llm",
     "perplexity": "perplexity",
 }
@@ -62,6 +65,7 @@ __all__ = [
     "DEFAULT_MAX_TOKENS",
     "DEFAULT_TEMPERATURE",
     "LLM",
+    "MAX_LOGPROBS",
     "ChecksBeforeTokenizing",
     "EngineConfig",
     "EngineRequest",
@@ -77,6 +81,7 @@ __all__ = [
     "SchedulerStats",
     "StepEngine",
     "StructuredOutputsParams",
+    "TokenLogprob",
     "chat_prompt_ids",
     "perplexity",
     "read_prompt",

@@ -20,7 +20,7 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.prompt import Prompt, read_prompt
 from tokenmill.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerMetrics, SchedulerStats
-from tokenmill.engine.sequence import RequestTimings, Sequence
+from tokenmill.engine.sequence import RequestTimings, Sequence, TokenLogprob
 from tokenmill.engine.structured_outputs import GrammarCompiler
 from tokenmill.models import kernels, quant
 from tokenmill.models.build import build_model, free_memory, weight_bytes
@@ -323,19 +323,21 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        tokens = self.runner.execute(out.scheduled)
+        sampled = self.runner.execute(out.scheduled)
         sampling = [item.seq for item in out.scheduled if item.samples]
         self.scheduler.on_step_computed(out)
         outputs = []
-        for seq, token in zip(sampling, tokens, strict=True):
-            self._append_token(seq, token)
+        for seq, token, logprob in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
+            self._append_token(seq, token, logprob)
             outputs.append(self._output(seq))
             if seq.is_finished:
                 del self._requests[seq.request_id]
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int) -> None:
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         seq.token_ids.append(token)
+        if seq.logprobs is not None and logprob is not None:
+            seq.logprobs.append(logprob)  # one per output token, never trimmed: a stop string cuts only text
         if seq.timings.first_token is None:
             seq.timings.first_token = time.monotonic()
         detok = self._requests[seq.request_id][1]
@@ -393,5 +395,7 @@ class LLMEngine:
             timings=seq.timings,
             finished=seq.is_finished,
             error=seq.error,
+            # A copy: the output may be read on another thread while the sequence goes on growing.
+            logprobs=None if seq.logprobs is None else list(seq.logprobs),
         )
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.sampler import Sampler
+from tokenmill.engine.sampler import Sampler, SamplerOutput
 from tokenmill.engine.scheduler import ScheduledSequence
 from tokenmill.models.attention_metadata import AttentionGroup, AttentionMetadata
 from tokenmill.models.decoder import CausalLM
@@ -53,8 +53,9 @@ class ModelRunner:
         self.sampler = Sampler(eos_token_ids)
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSequence]) -> list[int]:
-        """Run one forward over the batch; returns a token for each item that samples, in order."""
+    def execute(self, batch: list[ScheduledSequence]) -> SamplerOutput:
+        """Run one forward over the batch; returns a token (and its logprobs, where asked) for each
+        item that samples, in order."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from tokenmill.engine.sequence import RequestTimings
+from tokenmill.engine.sequence import RequestTimings, TokenLogprob
 
 
 @dataclass
@@ -23,6 +23,9 @@ class RequestOutput:
     timings: RequestTimings
     finished: bool
     error: str | None = None  # why the request was refused (finish_reason "error")
+    # One per token of token_ids where SamplingParams.logprobs asked for them; None otherwise. A
+    # stop string cuts `text` but not `token_ids`, so these stay one per token, as in vLLM.
+    logprobs: list[TokenLogprob] | None = None
 
     @classmethod
     def refused(cls, request_id: str, reason: str) -> RequestOutput:

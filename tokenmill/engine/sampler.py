@@ -1,20 +1,36 @@
 """Next-token choice: greedy, temperature, top-k, top-p, with per-request generators, among the
-tokens a structured-output request's grammar allows."""
+tokens a structured-output request's grammar allows; and, for the requests that ask, each chosen
+token's log-probability with the most likely alternatives."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.sequence import Sequence, TokenLogprob
 from tokenmill.engine.structured_outputs import allowed_tokens_bitmask, apply_bitmask
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per sequence, in order
+    logprobs: list[TokenLogprob | None]  # … and its logprobs: None where its params ask for none
 
 
 class Sampler:
     def __init__(self, eos_token_ids: list[int]) -> None:
         self.eos_token_ids = eos_token_ids
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """logits: [S, V] fp32, one row per sequence, in order."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """logits: [S, V] fp32, one row per sequence, in order.
+
+        Log-probabilities (for rows whose `params.logprobs` is set) are taken from the logits as
+        sampling sees them once min_tokens has suppressed the stop tokens and a grammar has masked
+        what it forbids, but before temperature, top-k and top-p: the model's own distribution over
+        the tokens the request may produce. So for a structured output they are among the allowed
+        tokens only (a `choice` request's are over its labels' tokens), and a greedy request and a
+        sampled one report the same numbers for the same logits."""
         self._suppress_stops_before_min_tokens(logits, seqs)
         self._apply_grammars(logits, seqs)
         tokens = logits.argmax(dim=-1)
@@ -24,7 +40,26 @@ class Sampler:
             probs = self._filtered_probs(logits[rows], [seqs[i] for i in sampled_rows])
             for row, p in zip(sampled_rows, probs, strict=True):
                 tokens[row] = _draw(p, seqs[row].generator)
-        return tokens.tolist()
+        token_ids = tokens.tolist()
+        return SamplerOutput(token_ids, self._logprobs(logits, seqs, token_ids))
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> list[TokenLogprob | None]:
+        """Only the rows that ask are normalised: a batch where none does pays one scan of its params."""
+        rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        found: list[TokenLogprob | None] = [None] * len(seqs)
+        if not rows:
+            return found
+        logprobs = logits[torch.tensor(rows)].log_softmax(dim=-1)
+        chosen = logprobs.gather(1, torch.tensor([[token_ids[row]] for row in rows]))[:, 0].tolist()
+        most = min(max(seqs[row].params.logprobs or 0 for row in rows), logprobs.shape[-1])
+        top_values, top_ids = (t.tolist() for t in logprobs.topk(most, dim=-1))
+        for k, row in enumerate(rows):
+            n = seqs[row].params.logprobs or 0
+            # A masked token (-inf) is no alternative: a grammar may allow fewer than n tokens.
+            top = tuple((t, v) for t, v in zip(top_ids[k][:n], top_values[k][:n], strict=True) if v != float("-inf"))
+            found[row] = TokenLogprob(token_ids[row], chosen[k], top)
+        return found
 
     @staticmethod
     def _apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -13,6 +13,9 @@ DEFAULT_MAX_TOKENS = 256
 # … and for its temperature: OpenAI's, so a row or request means the same here as there. Greedy
 # answers ask for temperature 0.
 DEFAULT_TEMPERATURE = 1.0
+# The most alternatives a request may ask to see per token: OpenAI's top_logprobs limit (and
+# vLLM's default max_logprobs), so a body means the same on every engine.
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,9 @@ class SamplingParams:
     # A grammar the output must follow; it alone decides where the output may end (min_tokens
     # does not apply to it).
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's meaning: None = no log-probabilities; N = each output token's logprob and its N most
+    # likely alternatives (0 <= N <= MAX_LOGPROBS), in RequestOutput.logprobs.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -97,6 +103,12 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("SamplingParams.stop must not contain empty strings")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"SamplingParams.logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {self.logprobs!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("SamplingParams.structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")

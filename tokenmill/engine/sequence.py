@@ -38,6 +38,19 @@ class RequestTimings:
         return None if self.first_token is None else self.first_token - self.arrival
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability (natural log) and its `top` most likely alternatives,
+    as (token id, logprob) pairs, most likely first; the token itself may be among them. The
+    embedded engine's are before temperature, top-k and top-p, over the tokens a grammar allows
+    (see `Sampler`); vLLM's are from its raw logits. Defined here beside `RequestTimings`: a
+    Sequence carries both into its RequestOutput, and outputs.py must not import torch."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class Sequence:
     request_id: str
@@ -60,11 +73,16 @@ class Sequence:
     generator: torch.Generator | None = None
     matcher: Any = None  # llguidance.LLMatcher of a structured-output request: the tokens it allows next
     error: str | None = None  # why it finished with "error"
+    # One entry per output token, where params.logprobs asks for them (None otherwise). Kept across
+    # preemption like the tokens themselves: a recompute samples only tokens not yet generated.
+    logprobs: list[TokenLogprob] | None = None
     timings: RequestTimings = field(default_factory=lambda: RequestTimings(time.monotonic()))
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.logprobs is None and self.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ from tokenmill.openai_compat import (
     check_structured_outputs,
     engine_inputs,
     response_body,
+    token_decoder,
 )
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ class EmbeddedBackend:
     def run(self, requests: Iterator[BatchRequest], sink: ResultSink, stop: StopFlag) -> BackendStats:
         assert self._llm is not None, "start() first"
         engine = self._llm.engine
+        token_text = token_decoder(self._llm.tokenizer)  # for rows that ask for logprobs
         timer = _StepTimer()
         preemptions0 = engine.stats().num_preemptions
         inflight: dict[str, BatchRequest] = {}
@@ -99,7 +101,7 @@ class EmbeddedBackend:
                     if out.finish_reason == "error":  # refused inside the engine (vLLM, on submission)
                         sink.error(request, "invalid_request", out.error or f"refused by the {self.kind} engine")
                     else:
-                        sink.result(request, response_body(request.url, out, self.model))
+                        sink.result(request, response_body(request.url, out, self.model, token_text=token_text))
         load_s, self._load_s = self._load_s, 0.0  # counted once, in the run after the load
         return BackendStats(
             load_s=load_s, prefill_tokens=timer.prefill_tokens, decode_tokens=timer.decode_tokens,

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.engine import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
+from tokenmill.engine import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, MAX_LOGPROBS
 from tokenmill.engine.args import (
     add_engine_arguments,
     add_structured_output_arguments,
@@ -59,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--input-format", choices=FORMATS, default="auto", help="default: by suffix and first line")
     add_csv_column_arguments(parser)
     add_document_arguments(parser)
+    add("--logprobs", type=int, metavar="N",
+        help=f"return each answer token's log-probability and the N most likely alternatives (0..{MAX_LOGPROBS}), "
+        "OpenAI-shaped, in every result row (rows that say whether they want logprobs keep their own; "
+        "/v1/completions rows take 0..5)")
     add_structured_output_arguments(
         parser, "structured outputs, for every row that asks for none of its own (docs/jobs.md)")
     ep = parser.add_argument_group("endpoint backend")
@@ -164,7 +168,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         system=args.system, template=args.template, max_tokens=args.max_tokens,
         temperature=args.temperature, model=args.model if args.endpoint else None,
         completions=args.completions, structured_outputs=_structured_outputs(args),
-        prompt_column=args.prompt_column, id_column=args.id_column,
+        prompt_column=args.prompt_column, id_column=args.id_column, logprobs=args.logprobs,
     )
     return JobConfig(
         input=_input(args), output=args.output, options=options, errors=args.errors,

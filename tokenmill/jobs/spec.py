@@ -9,7 +9,8 @@ Four input forms, all turned into OpenAI batch requests (`custom_id`, `url`, `bo
   as the row's metadata. A quoted field may span lines; a record's "line" is where it starts.
 
 `DocumentOptions` say how a document (a text line or a `prompt`) becomes a request, and fill
-`max_tokens` / `temperature` / `model` / a structured output into every body that lacks them.
+`max_tokens` / `temperature` / `model` / a structured output / logprobs into every body that lacks
+them.
 
 A job reads its input once, as an `InputStream`: a line is parsed, checked and sent in one go,
 so the first request leaves within a second of the start whatever the file's size, and what is
@@ -34,13 +35,14 @@ from typing import IO, Any
 import numpy as np
 import orjson
 
-from tokenmill.engine import DEFAULT_MAX_TOKENS
+from tokenmill.engine import DEFAULT_MAX_TOKENS, MAX_LOGPROBS
 from tokenmill.jobs import storage
 from tokenmill.jobs.seen_ids import SeenIds
 from tokenmill.jobs.storage import Location
 from tokenmill.openai_compat import (
     CHAT_URL,
     COMPLETIONS_URL,
+    MAX_COMPLETION_LOGPROBS,
     SUPPORTED_URLS,
     OpenAIRequest,
     RequestError,
@@ -78,6 +80,9 @@ class DocumentOptions:
     # The body field(s) asking for a structured output (openai_compat.structured_outputs_body), for
     # every body that asks for none of its own.
     structured_outputs: dict[str, Any] | None = None
+    # Each answer token's logprob and this many alternatives, asked in each body's own words (chat:
+    # logprobs + top_logprobs; completions: logprobs), for every body that asks for none of its own.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.template is not None and "{text}" not in self.template:
@@ -86,6 +91,11 @@ class DocumentOptions:
             raise ValueError(f"--max-tokens must be positive, got {self.max_tokens}")
         if self.temperature is not None and self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.completions and self.logprobs is not None and self.logprobs > MAX_COMPLETION_LOGPROBS:
+            raise ValueError(f"--logprobs {self.logprobs} with --completions: /v1/completions takes at most "
+                             f"{MAX_COMPLETION_LOGPROBS} alternatives (OpenAI's limit); chat takes {MAX_LOGPROBS}")
 
     def fingerprint(self) -> dict[str, Any]:
         """The options that change what a request asks for (hence its result)."""
@@ -96,7 +106,7 @@ class DocumentOptions:
         # Only when set: jobs from before these options still resume.
         later: dict[str, Any] = {
             "structured_outputs": self.structured_outputs, "prompt_column": self.prompt_column,
-            "id_column": self.id_column,
+            "id_column": self.id_column, "logprobs": self.logprobs,
         }
         settings.update({name: value for name, value in later.items() if value is not None})
         return settings
@@ -619,7 +629,7 @@ def _request(
 ) -> BatchRequest:
     """The request, its body's gaps filled from `options` and checked (LineError naming the field)."""
     defaulted = "max_tokens" not in body and "max_completion_tokens" not in body
-    body = _fill_defaults(body, options)
+    body = _fill_defaults(body, url, options)
     _check_body(url, body, prefix)
     return BatchRequest(number, custom_id, url, body, max_tokens_defaulted=defaulted)
 
@@ -632,7 +642,7 @@ def _with_system(messages: Any, system: str | None) -> Any:
     return [{"role": "system", "content": system}, *messages]
 
 
-def _fill_defaults(body: dict[str, Any], options: DocumentOptions) -> dict[str, Any]:
+def _fill_defaults(body: dict[str, Any], url: str, options: DocumentOptions) -> dict[str, Any]:
     if options.model is not None:
         body["model"] = options.model
     if "max_tokens" not in body and "max_completion_tokens" not in body:
@@ -641,7 +651,18 @@ def _fill_defaults(body: dict[str, Any], options: DocumentOptions) -> dict[str, 
         body["temperature"] = options.temperature
     if options.structured_outputs is not None and not structured_outputs_fields(body):
         body.update(options.structured_outputs)  # replaces a `response_format` of "text", which asks for none
+    if options.logprobs is not None:
+        _fill_logprobs(body, url, options.logprobs)
     return body
+
+
+def _fill_logprobs(body: dict[str, Any], url: str, alternatives: int) -> None:
+    """Ask for logprobs in the body's own words, unless it already says whether it wants them."""
+    if url == CHAT_URL:
+        if body.get("logprobs") is None and body.get("top_logprobs") is None:
+            body.update(logprobs=True, top_logprobs=alternatives)
+    elif body.get("logprobs") is None:
+        body["logprobs"] = alternatives
 
 
 def _check_body(url: str, body: dict[str, Any], prefix: str = "body.") -> None:
@@ -658,7 +679,7 @@ def _check_body(url: str, body: dict[str, Any], prefix: str = "body.") -> None:
         if not is_ids and (not isinstance(prompt, str) or not prompt):
             raise LineError(f"{prefix}prompt must be a non-empty string, got {json.dumps(prompt)[:60]}")
     try:
-        check_fields(body)  # types and ranges, as a server checks them
+        check_fields(body, url)  # types and ranges, as a server checks them
     except RequestError as exc:
         raise LineError(str(exc).replace("body.", prefix, 1)) from None
 

@@ -25,6 +25,7 @@ from tokenmill.openai_compat import (
     engine_inputs,
     parse_request,
     response_body,
+    token_decoder,
 )
 from tokenmill.serve.engine_loop import EngineLoop
 
@@ -49,6 +50,7 @@ class ServingBackend:
         self.llm, self.loop, self.model = llm, loop, model
         self.batch_id, self.endpoint = batch_id, endpoint
         self.window = llm.engine.max_num_seqs  # batch requests in the engine at once: a full batch
+        self._token_text = token_decoder(llm.tokenizer)  # how logprobs show a token
         self._tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenmill-tokenize")
 
     def check(self, request: BatchRequest, parsed: OpenAIRequest | None = None) -> None:
@@ -85,7 +87,8 @@ class ServingBackend:
         self._tokenizers.shutdown(wait=False, cancel_futures=True)
 
     def response_body(self, prepared: Prepared, out: RequestOutput) -> dict[str, Any]:
-        return response_body(prepared.request.url, out, self.model, prepared.request.custom_id)
+        return response_body(prepared.request.url, out, self.model, prepared.request.custom_id,
+                             token_text=self._token_text)
 
     async def stream(self, prepared: Prepared) -> RequestStream:
         stream = RequestStream(self.loop, prepared.engine_request.request_id, asyncio.get_running_loop())
@@ -120,7 +123,7 @@ class ServingBackend:
             if isinstance(out, Exception):
                 sink.error(request, "server_error", f"engine failure: {out}")
             elif out.finish_reason != "abort":
-                sink.result(request, response_body(request.url, out, self.model))
+                sink.result(request, response_body(request.url, out, self.model, token_text=self._token_text))
         return BackendStats()  # the engine is shared: per-job prefill/decode times mean nothing here
 
     def _submit(self, request: BatchRequest, inflight: dict[str, BatchRequest], done: queue.Queue,

@@ -66,8 +66,9 @@ class StructuredOutputs(BaseModel):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")  # other fields reach the backend's checks, which refuse
-    # what would change the answer (tools, logprobs, ...) and ignore the rest (user, metadata, ...)
+    model_config = ConfigDict(extra="allow")  # other fields reach the backend's checks, which check
+    # logprobs and top_logprobs, refuse what would change the answer (tools, logit_bias, ...) and
+    # ignore the rest (user, metadata, ...)
     # strict: a string "5" or `true` is refused, not coerced; the ranges are openai_compat's, which
     # checks them again for batch lines (and the rest of the fields)
     model: str
@@ -143,6 +144,10 @@ async def _serve(state: ServeState, request: Request, body: _Body, req: BatchReq
         prepared = await state.backend.prepare_off_loop(req)
     except ValueError as exc:  # too long for the context, bad sampling values, unsupported fields
         raise from_value_error(exc) from None
+    if body.stream and prepared.engine_request.params.logprobs is not None:
+        # A stream sends text as it is safe to (held back where a stop string may begin), not token
+        # by token; per-chunk logprobs would need the two kept in step. The whole answer has them.
+        raise bad_request("logprobs are not streamed by tokenmill: ask for them without stream", param="stream")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _EventStream(_events(state, request, prepared, include_usage))

@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from tokenmill.engine import (
     SamplingParams,
     SchedulerMetrics,
     SchedulerStats,
+    TokenLogprob,
     chat_prompt_ids,
     read_prompt,
 )
@@ -91,6 +93,7 @@ class _Request:
     text_so_far: str = ""
     token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per output token, where params.logprobs asks
 
     def output(self, finish_reason: str | None, stop_reason: int | str | None = None) -> RequestOutput:
         """tokenmill's output for where the request stands. vLLM's outputs do not say how often a
@@ -100,7 +103,7 @@ class _Request:
             text=self.text_so_far, token_ids=list(self.token_ids), finish_reason=finish_reason,
             stop_reason=stop_reason, num_prompt_tokens=len(self.prompt_token_ids),
             num_cached_tokens=self.num_cached_tokens, num_preemptions=None, timings=self.timings,
-            finished=finish_reason is not None,
+            finished=finish_reason is not None, logprobs=None if self.logprobs is None else list(self.logprobs),
         )
 
 
@@ -162,7 +165,8 @@ class VllmEngine:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self._requests[request.request_id] = _Request(
             request.request_id, request.prompt, list(request.prompt_token_ids), self._vllm_params(request.params),
-            request.priority if self._priority else 0, RequestTimings(request.arrival))
+            request.priority if self._priority else 0, RequestTimings(request.arrival),
+            logprobs=None if request.params.logprobs is None else [])
         self._queue.append(request.request_id)
         return request.request_id
 
@@ -263,6 +267,10 @@ class VllmEngine:
                 request.timings.first_token = now
             else:
                 self._stats.decode_tokens += new_tokens
+        if request.logprobs is not None and completion.logprobs is not None:
+            done = len(request.logprobs)  # vLLM's list is cumulative: convert only the new tokens
+            request.logprobs += token_logprobs(completion.token_ids[done:], completion.logprobs[done:],
+                                               request.params.logprobs)
         request.token_ids, request.text_so_far = list(completion.token_ids), completion.text
         if not raw.finished:
             return request.output(None)
@@ -278,6 +286,7 @@ class VllmEngine:
             ignore_eos=params.ignore_eos, stop_token_ids=list(params.stop_token_ids), stop=list(params.stop),
             structured_outputs=None if so is None else self._vllm.sampling_params.StructuredOutputsParams(
                 **{so.kind: getattr(so, so.kind)}),
+            logprobs=params.logprobs,
         )
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -298,6 +307,18 @@ class VllmEngine:
                 if metric.name == name:
                     return float(getattr(metric, "value", 0.0))
         return 0.0
+
+
+def token_logprobs(token_ids: Sequence[int], positions: Iterable[Mapping[int, Any]], n: int) -> list[TokenLogprob]:
+    """vLLM's logprobs of these output tokens ({token id: Logprob(logprob, rank, decoded_token)} per
+    token: the sampled token's and the n ranked first) as TokenLogprobs. vLLM takes them from the raw
+    logits (its default logprobs_mode), before any grammar mask: for a structured output they are
+    the unconstrained model's, where the embedded engine's are over the allowed tokens."""
+    found = []
+    for token_id, position in zip(token_ids, positions, strict=True):
+        ranked = sorted((lp.rank, t, lp.logprob) for t, lp in position.items() if lp.rank is not None and lp.rank <= n)
+        found.append(TokenLogprob(token_id, position[token_id].logprob, tuple((t, v) for _, t, v in ranked[:n])))
+    return found
 
 
 def _vllm_model(config: VllmConfig) -> str:
