@@ -18,8 +18,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "tokenmill"
 
 # Each part of tokenmill/ and the parts it may import (besides itself). Arrows only point down:
-# serve, choose, split → jobs → openai_compat, engines, bench → engine, vllm_engine → models, plan → cost,
-# environment, gguf_header.
+# cascade → choose; serve, choose, split → jobs → openai_compat, engines, bench → engine, vllm_engine → models,
+# plan → cost, environment, gguf_header.
 LAYERS: dict[str, set[str]] = {
     "cost": set(),
     "environment": set(),
@@ -34,6 +34,7 @@ LAYERS: dict[str, set[str]] = {
     "jobs": {"openai_compat", "engines", "engine", "vllm_engine", "models", "plan", "cost", "environment"},
     "serve": {"jobs", "openai_compat", "engines", "engine", "vllm_engine", "environment"},
     "choose": {"jobs", "openai_compat", "plan", "cost", "environment"},
+    "cascade": {"choose", "jobs", "openai_compat", "plan", "cost", "environment"},  # tiers are choose's candidates
     "split": {"jobs", "openai_compat"},  # `tokenmill split`: run's input reading and part cutting, no backend
     "cli": set(),  # loads each command's package by name (importlib), so it imports none of them
     "__main__": {"cli"},

@@ -19,6 +19,7 @@ _SUBCOMMANDS = {
     "serve": ("serve", "an OpenAI-compatible server (completions, chat, Batch API, metrics)"),
     "bench": ("bench", "benchmark throughput, latency and cost (`bench compare` files)"),
     "choose": ("choose", "the cheapest candidate whose quality on a sample of your job clears a bar"),
+    "cascade": ("cascade", "the cheap tier answers every row; only answers that fail a check go on to the next tier"),
     "split": ("split", "cut a job's input into OpenAI Batch API files within the API's limits, to upload by hand"),
 }
 

@@ -10,7 +10,8 @@ An outage: `go_down(seconds)` (or `outage_after=n`: once n requests were admitte
 `outage_s`) makes every request, POST or the breaker's GET /v1/models, a dropped connection,
 counted in `down_hits` by method, as a killed server behind a proxy looks; `come_back()` ends it.
 GET /v1/models answers a model list while up. `answer(body, key)`, when given, writes the reply's
-text (default: "echo: KEY"), for tests that score answers.
+text (default: "echo: KEY"), for tests that score answers; `logprobs(body, key)`, the choice's
+`logprobs` for a request that asks for them (a request that does not gets none).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ class StubServer:
         self, script: dict[str, list[str]] | None = None, delay: float = 0.0, slow_s: float = 1.0,
         max_requests: int = 500, outage_after: int | None = None, outage_s: float = 0.0,
         answer: Callable[[dict[str, Any], str], str] | None = None,
+        logprobs: Callable[[dict[str, Any], str], dict[str, Any]] | None = None,
     ) -> None:
         self.script = script or {}
-        self.answer = answer
+        self.answer, self.logprobs = answer, logprobs
         self.delay, self.slow_s, self.max_requests = delay, slow_s, max_requests
         self.outage_after, self.outage_s = outage_after, outage_s
         self.down_until = 0.0  # monotonic time the current outage ends
@@ -97,7 +99,8 @@ class StubServer:
             self.inflight -= 1
 
 
-def completion(body: dict[str, Any], key: str, text: str | None = None) -> dict[str, Any]:
+def completion(body: dict[str, Any], key: str, text: str | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     words = len(key.split())
     text = f"echo: {key}" if text is None else text
     if "messages" in body:
@@ -106,6 +109,8 @@ def completion(body: dict[str, Any], key: str, text: str | None = None) -> dict[
     else:
         choice = {"index": 0, "text": text, "finish_reason": "stop"}
         kind = "text_completion"
+    if logprobs is not None:
+        choice["logprobs"] = logprobs
     usage = {"prompt_tokens": words + 5, "completion_tokens": words + 1, "total_tokens": 2 * words + 6,
              "prompt_tokens_details": {"cached_tokens": 2}}
     return {"id": "cmpl-stub", "object": kind, "created": 0, "model": body.get("model", "stub"),
@@ -161,7 +166,9 @@ def _handler(stub: StubServer) -> type[BaseHTTPRequestHandler]:
             status, headers = {"429": (429, {"Retry-After": "0"}), "429-wait": (429, {"Retry-After": "1"}),
                                "500": (500, {}), "400": (400, {})}.get(action, (200, {}))
             text = stub.answer(body, key) if stub.answer else None
-            reply = completion(body, key, text) if status == 200 else {"error": {"message": f"stub says {action}"}}
+            logprobs = stub.logprobs(body, key) if stub.logprobs and body.get("logprobs") else None
+            refusal = {"error": {"message": f"stub says {action}"}}
+            reply = completion(body, key, text, logprobs) if status == 200 else refusal
             self._send(status, reply, headers)
 
         def _send(self, status: int, reply: dict[str, Any], headers: dict[str, str]) -> None:

@@ -62,36 +62,38 @@ class Candidate:
         return spec.model
 
 
-def parse_candidate(text: str, common: str = "", default_price_per_hour: float | None = None) -> Candidate:
-    """`NAME=FLAGS` → a Candidate, its flags parsed and checked now (before anything runs)."""
+def parse_candidate(text: str, common: str = "", default_price_per_hour: float | None = None,
+                    flag: str = "--candidate", command: str = "choose") -> Candidate:
+    """`NAME=FLAGS` → a Candidate, its flags parsed and checked now (before anything runs). `flag`
+    and `command`, for the messages: `tokenmill cascade` parses its `--tier`s here too."""
     name, sep, flags_text = text.partition("=")
     name = name.strip()
     if not sep or not NAME.fullmatch(name):
-        raise CandidateError(f"--candidate {text!r}: expected NAME=FLAGS, NAME of letters, digits, '.', '_' or "
+        raise CandidateError(f"{flag} {text!r}: expected NAME=FLAGS, NAME of letters, digits, '.', '_' or "
                              "'-' (it names the candidate's folder), e.g. 'local=--price-per-hour 0.1'")
     try:
         flags, shared = tuple(shlex.split(flags_text)), tuple(shlex.split(common))
     except ValueError as exc:
-        raise CandidateError(f"--candidate {name}: cannot split its flags: {exc}") from None
-    for flag in (*shared, *flags):
-        if flag.split("=", 1)[0] in RESERVED:
-            raise CandidateError(f"--candidate {name}: {flag.split('=', 1)[0]} is set by choose for every "
-                                 "candidate (its sample and its folder under -o)")
-    args = _parser(name).parse_args([str(_SAMPLE), "-o", str(_FOLDER), *shared, *flags])
+        raise CandidateError(f"{flag} {name}: cannot split its flags: {exc}") from None
+    for given in (*shared, *flags):
+        if given.split("=", 1)[0] in RESERVED:
+            raise CandidateError(f"{flag} {name}: {given.split('=', 1)[0]} is set by {command} for "
+                                 "every one (its input and its folder under -o)")
+    args = _parser(f"{flag} {name}").parse_args([str(_SAMPLE), "-o", str(_FOLDER), *shared, *flags])
     try:
         job, backend = run_flags.parse_job(args)
     except ValueError as exc:  # request flags (--choice, --template, …) and the backend's, before any run
-        raise CandidateError(f"--candidate {name}: {exc}") from None
-    return Candidate(name, flags, shared, _price(name, args, default_price_per_hour), job, backend)
+        raise CandidateError(f"{flag} {name}: {exc}") from None
+    return Candidate(name, flags, shared, _price(f"{flag} {name}", args, default_price_per_hour), job, backend)
 
 
-def _price(name: str, args: argparse.Namespace, default_per_hour: float | None) -> Price:
+def _price(who: str, args: argparse.Namespace, default_per_hour: float | None) -> Price:
     by_token = args.price_per_m_input is not None or args.price_per_m_output is not None
     per_hour = args.price_per_hour if args.price_per_hour is not None or by_token else default_per_hour
     try:
         return Price(per_hour, args.price_per_m_input, args.price_per_m_output)
     except ValueError as exc:
-        raise CandidateError(f"--candidate {name}: {exc}") from None
+        raise CandidateError(f"{who}: {exc}") from None
 
 
 class _FlagParser(argparse.ArgumentParser):
@@ -101,8 +103,8 @@ class _FlagParser(argparse.ArgumentParser):
         raise CandidateError(f"{self.prog}: {message}")
 
 
-def _parser(name: str) -> argparse.ArgumentParser:
-    parser = _FlagParser(prog=f"--candidate {name}", add_help=False)
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = _FlagParser(prog=prog, add_help=False)
     run_flags.add_arguments(parser)
     prices = parser.add_argument_group("a price by the token (a hosted API), instead of --price-per-hour")
     prices.add_argument("--price-per-m-input", type=float, help="$ per million prompt tokens")

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-from tokenmill.choose.candidates import parse_candidate
+from tokenmill.choose.acceptance import acceptance_for
+from tokenmill.choose.candidates import Candidate, parse_candidate
+from tokenmill.choose.cascades import CascadeSpec, is_cascade, parse_cascade
 from tokenmill.choose.judge import DEFAULT_RUBRIC, check_rubric
 from tokenmill.choose.judge_job import JudgeConfig
 from tokenmill.choose.report import print_report, write_reports
@@ -35,7 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a folder: the sample, each candidate's job under candidates/NAME/, report.{md,json,png}")
     add("--candidate", action="append", required=True, metavar="NAME=FLAGS",
         help="a candidate and its `tokenmill run` flags, e.g. 'local=--price-per-hour 0.1', "
-        "'api=--endpoint URL --model M --price-per-m-input 0.15 --price-per-m-output 0.6'; repeat it")
+        "'api=--endpoint URL --model M --price-per-m-input 0.15 --price-per-m-output 0.6'; repeat it. A cascade "
+        "of other candidates: 'local-then-api=cascade:local,api --accept CHECK' (a confidence check without "
+        "its threshold, e.g. --accept min-logprob, is calibrated on the sample; docs/cascade.md)")
     add("--flags", default="", metavar="FLAGS", help="`tokenmill run` flags every candidate gets before its own "
         "(a single flag as --flags=--no-progress, so that it is not read as one of choose's)")
     add("--min-quality", type=_fraction, required=True, help="the bar, a mean score in 0..1")
@@ -100,17 +105,35 @@ def run(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace) -> ChooseConfig:
     if args.hardware:
         _check_hardware(args.hardware)
-    candidates = [parse_candidate(text, args.flags, args.price_per_hour) for text in args.candidate]
-    names = [c.name for c in candidates]
+    candidates = [parse_candidate(text, args.flags, args.price_per_hour)
+                  for text in args.candidate if not is_cascade(text)]
+    cascades = [parse_cascade(text, [c.name for c in candidates]) for text in args.candidate if is_cascade(text)]
+    names = [c.name for c in candidates] + [c.name for c in cascades]
     if len(set(names)) < len(names):
         raise ValueError(f"--candidate names must differ: {sorted({n for n in names if names.count(n) > 1})}")
     return ChooseConfig(
-        job=args.job, expected=args.expected, output=args.output, candidates=candidates,
+        job=args.job, expected=args.expected, output=args.output,
+        candidates=_with_logprobs(candidates, cascades, args), cascades=cascades,
         min_quality=args.min_quality, clear_by=args.clear_by, scorer=args.scorer, schema=_schema(args),
         judge=_judge(args), sample=args.sample, seed=args.seed, input_format=args.input_format,
         csv_columns=DocumentOptions(prompt_column=args.prompt_column, id_column=args.id_column),
         hardware=args.hardware, overwrite=args.overwrite, progress=not args.no_progress,
     )
+
+
+def _with_logprobs(candidates: list[Candidate], cascades: list[CascadeSpec], args: argparse.Namespace
+                   ) -> list[Candidate]:
+    """The candidates, those that are an early tier of a cascade with a confidence check asking
+    for the log-probabilities it reads (`--logprobs N` added to their flags, so the report says so)."""
+    by_name = {c.name: c for c in candidates}
+    needs: dict[str, int] = {}
+    for spec in cascades:
+        for name in spec.tiers[:-1]:
+            wanted = acceptance_for(by_name[name], list(spec.accept), f"--candidate {spec.name}: tier").logprobs
+            if wanted is not None:
+                needs[name] = max(needs.get(name, 0), wanted)
+    return [parse_candidate(f"{c.name}={shlex.join(c.flags)} --logprobs {needs[c.name]}", args.flags,
+                            args.price_per_hour) if c.name in needs else c for c in candidates]
 
 
 def _check_hardware(name: str) -> None:

@@ -37,7 +37,7 @@ def _row(c: CandidateResult, hardware: str | None) -> dict[str, str]:
     row = {
         "candidate": c.name,
         "model": short_model(c.model),
-        "price": c.price.describe(),
+        "price": "its tiers'" if c.cascade else c.price.describe(),
         "quality": format_quality(c.quality) if c.quality is not None else "–",
         "rows": f"{c.answered}/{c.rows}" + (f" ({c.failed} failed)" if c.failed else ""),
         "out tok/s": _number(c.output_tok_s, 1),
@@ -110,12 +110,17 @@ def print_report(report: ChooseReport, console: Console) -> None:
     for c in report.candidates:
         if c.notes:
             console.print(Text(f"{c.name}: {notes_text(c)}"))
+        if c.cascade:
+            console.print(Text(f"{c.name}: {cascade_text(c)}"))
+    if dominated := dominated_text(report):
+        console.print(Text(dominated))
     console.print(Text(report.verdict.message, style="bold"))
 
 
 def markdown(report: ChooseReport) -> str:
     v = report.verdict
     rows = candidate_rows(report)
+    dominated = dominated_text(report)
     lines = [
         f"# tokenmill choose: {report.job}",
         "",
@@ -126,12 +131,16 @@ def markdown(report: ChooseReport) -> str:
         "",
         f"**Verdict:** {v.message}",
         "",
+        *([f"**Pareto:** {dominated}", ""] if dominated else []),
         COLUMNS_EXPLAINED,
         "",
     ]
     notes = [f"- {c.name}: {notes_text(c)}" for c in report.candidates if c.notes]
     if notes:
         lines += ["## Why rows scored below 1", "", *notes, ""]
+    cascades = [f"- {c.name}: {cascade_text(c)}" for c in report.candidates if c.cascade]
+    if cascades:
+        lines += ["## Cascades", "", *cascades, ""]
     flags = [f"- {c.name}: `{c.flags}`" for c in report.candidates if c.flags]
     if flags:
         lines += ["## How each candidate ran (`tokenmill run` flags)", "", *flags, ""]
@@ -149,6 +158,27 @@ def _md_table(rows: list[dict[str, str]]) -> str:
 
 def _md_cell(text: str) -> str:
     return text.replace("|", "\\|")  # a pipe in a reason would end the cell
+
+
+def cascade_text(c: CandidateResult) -> str:
+    """Where a cascade's sample rows went: "10 rows to small, 6 on to api; accept min-logprob>=-0.5 (calibrated)"."""
+    assert c.cascade is not None
+    d = c.cascade
+    went = ", ".join(f"{n} {'to' if i == 0 else 'on to'} {tier}" for i, (tier, n) in enumerate(zip(d.tiers, d.reached,
+                                                                                                   strict=True)))
+    return f"{went}; accept {d.accept}" + (" (calibrated on this sample)" if d.calibrated is not None else "")
+
+
+def dominated_text(report: ChooseReport) -> str:
+    """The plotted points another beats (cheaper or as cheap, and as good or better), and by which."""
+    points = [(c.name, _cost(c), c.quality.mean) for c in report.candidates if _plottable(c) and c.quality]
+    front = set(pareto_front(points))
+    beaten = []
+    for name, cost, q in points:
+        if name not in front:
+            by = min((p for p in points if p[0] in front and p[1] <= cost and p[2] >= q), key=lambda p: (p[1], -p[2]))
+            beaten.append(f"{name} (by {by[0]})")
+    return f"dominated (another is as cheap and as good): {', '.join(beaten)}" if beaten else ""
 
 
 def pareto_front(points: Sequence[tuple[str, float, float]]) -> list[str]:
@@ -215,7 +245,12 @@ def _draw_points(ax: Any, shown: list[CandidateResult], chosen: str | None) -> N
     qualities = [c.quality for c in shown if c.quality is not None]  # all of them: _plottable
     means = [q.mean for q in qualities]
     errors = [[q.mean - q.low for q in qualities], [q.high - q.mean for q in qualities]]
-    ax.errorbar(costs, means, yerr=errors, fmt="o", color="tab:blue", capsize=3, label="candidate")
+    for kind, marker, color in (("candidate", "o", "tab:blue"), ("cascade", "s", "tab:purple")):
+        chosen_kind = [i for i, c in enumerate(shown) if (c.cascade is not None) == (kind == "cascade")]
+        if chosen_kind:
+            ax.errorbar([costs[i] for i in chosen_kind], [means[i] for i in chosen_kind],
+                        yerr=[[errors[0][i] for i in chosen_kind], [errors[1][i] for i in chosen_kind]],
+                        fmt=marker, color=color, capsize=3, label=kind)
     for c, x, y in zip(shown, costs, means, strict=True):
         ax.annotate(c.name, (x, y), xytext=(5, 5), textcoords="offset points", fontsize=8)
     front = pareto_front([(c.name, x, y) for c, x, y in zip(shown, costs, means, strict=True)])

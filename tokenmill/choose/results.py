@@ -86,6 +86,16 @@ class Ceiling:
     job_usd: float | None
 
 
+@dataclass(frozen=True)
+class CascadeDetail:
+    """A cascade candidate (cascades.py): its tiers, its checks and where the sample's rows went."""
+
+    tiers: tuple[str, ...]
+    accept: str  # the checks, with their thresholds
+    reached: tuple[int, ...]  # sample rows each tier had to answer
+    calibrated: float | None  # the threshold choose found for the check given without one
+
+
 @dataclass
 class CandidateResult:
     name: str
@@ -107,6 +117,7 @@ class CandidateResult:
     usd_per_m_output: float | None = None  # what the sample cost ÷ its output tokens, in millions
     projected: Projection | None = None
     ceiling: Ceiling | None = None
+    cascade: CascadeDetail | None = None  # a cascade of other candidates
 
 
 @dataclass(frozen=True)

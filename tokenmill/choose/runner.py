@@ -13,17 +13,19 @@ from __future__ import annotations
 import gc
 import json
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
+from tokenmill.choose.acceptance import acceptance_for
 from tokenmill.choose.candidates import Candidate
+from tokenmill.choose.cascades import CascadeSpec, TierEvidence, evaluate
 from tokenmill.choose.expected import compare_ids, read_expected
 from tokenmill.choose.judge_job import JudgeConfig, judge_scores
 from tokenmill.choose.results import DONE, FAILED, INCOMPLETE, CandidateResult, ChooseReport, Projection
+from tokenmill.choose.runs import log_run, projected_wall, timed
 from tokenmill.choose.sample import JobRows, Sample, prepare_sample, read_job
 from tokenmill.choose.scorers import DEFAULT_SCORER, Score, make_scorer
 from tokenmill.choose.stats import decide, quality
@@ -44,7 +46,7 @@ from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.spec import DocumentOptions, read_input
 from tokenmill.jobs.summary import JobOutcome, print_summary
 
-CANDIDATES, RUNS_FILE, CANDIDATE_FILE = "candidates", "runs.jsonl", "candidate.json"
+CANDIDATES, CANDIDATE_FILE = "candidates", "candidate.json"
 
 
 @dataclass
@@ -54,6 +56,7 @@ class ChooseConfig:
     output: Path
     candidates: list[Candidate]
     min_quality: float
+    cascades: list[CascadeSpec] = field(default_factory=list)  # of the candidates, scored on their answers
     clear_by: str = "lower"
     scorer: str = DEFAULT_SCORER
     schema: dict[str, Any] | None = None  # for the json scorer
@@ -79,7 +82,7 @@ def choose(config: ChooseConfig, console: Console) -> ChooseReport:
     sample = prepare_sample(job, eligible, config.sample, config.seed, config.output, config.overwrite)
     _say(console, f"{'reusing' if sample.reused else 'drew'} a sample of {len(sample.ids)} of {len(job.entries)} "
                   f"rows (seed {config.seed}) → {sample.path}")
-    results = []
+    results, evidence = [], {}
     for candidate in config.candidates:
         result = _run(candidate, sample, config, console)
         answers = _read_answers(config.output / CANDIDATES / candidate.name, sample.ids)
@@ -89,8 +92,17 @@ def choose(config: ChooseConfig, console: Console) -> ChooseReport:
         else:
             assert scorer is not None
             scores = {i: scorer.score(a.text, expected[i], i) for i, a in answers.items() if a.text is not None}
-        _fill(result, answers, scores, sample, job, config.output / CANDIDATES / candidate.name)
+        timing = timed(config.output / CANDIDATES / candidate.name)
+        _fill(result, answers, scores, sample, job, timing)
         results.append(result)
+        bodies = {i: a.body for i, a in answers.items() if a.body is not None}
+        evidence[candidate.name] = TierEvidence(result, bodies, scores, timing)
+    by_name = {c.name: c for c in config.candidates}
+    for spec in config.cascades:
+        tiers = [evidence[name] for name in spec.tiers]
+        checks = [acceptance_for(by_name[name], list(spec.accept), f"--candidate {spec.name}: tier")
+                  for name in spec.tiers[:-1]]
+        results.append(evaluate(spec, tiers, checks, sample.ids, config.min_quality, config.clear_by))
     if config.hardware:
         from tokenmill.choose.ceiling import add_ceilings
 
@@ -140,7 +152,7 @@ def _run(candidate: Candidate, sample: Sample, config: ChooseConfig, console: Co
         return result
     if outcome.interrupted:  # Ctrl-C / SIGTERM: its rows so far are kept, a re-run resumes
         raise KeyboardInterrupt
-    _log_run(folder, outcome)
+    log_run(folder, outcome)
     write_json_atomic(folder / CANDIDATE_FILE, {"flags": candidate.flags_text, "backend": result.backend,
                                                 "model": result.model})
     return result
@@ -172,18 +184,6 @@ def _finished_earlier(candidate: Candidate, folder: Path, ids: list[str]) -> dic
     return earlier
 
 
-def _log_run(folder: Path, outcome: JobOutcome) -> None:
-    """Keep this run's timing: the job's summary.json holds only the last run's."""
-    engine = outcome.engine
-    run = {"rows": outcome.requests.done_this_run, "wall_s": outcome.time.wall_s,
-           "prompt_tokens": outcome.tokens.prompt, "completion_tokens": outcome.tokens.completion,
-           "prefill_tokens": engine.prefill_tokens, "prefill_s": engine.prefill_s,
-           "decode_tokens": engine.decode_tokens, "decode_s": engine.decode_s}
-    if run["rows"]:
-        with (folder / RUNS_FILE).open("a") as f:
-            f.write(json.dumps(run) + "\n")
-
-
 # ---- answers and scores ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Answer:
@@ -204,17 +204,6 @@ def _read_answers(folder: Path, ids: list[str]) -> dict[str, Answer]:
         body = row["response"]["body"]
         answers[row["custom_id"]] = Answer(row["custom_id"], answer_of(body) or "", body)
     return {i: answers[i] for i in ids if i in answers}
-
-
-def _runs(folder: Path) -> Iterator[dict[str, Any]]:
-    path = folder / RUNS_FILE
-    if not path.exists():
-        return
-    for line in path.read_bytes().splitlines():
-        try:
-            yield json.loads(line)
-        except ValueError:  # torn by a kill mid-append: that run's timing is lost, nothing else
-            continue
 
 
 def _prompts(candidate: Candidate, sample: Sample) -> dict[str, str]:
@@ -239,7 +228,7 @@ def _prompt_text(body: dict[str, Any]) -> str:
 
 # ---- what the candidate got, measured and projected -----------------------------------------------
 def _fill(result: CandidateResult, answers: dict[str, Answer], scores: dict[str, Score], sample: Sample,
-          job: JobRows, folder: Path) -> None:
+          job: JobRows, timing: dict[str, float]) -> None:
     notes: Counter[str] = Counter()
     values = []
     for custom_id in sample.ids:
@@ -258,17 +247,8 @@ def _fill(result: CandidateResult, answers: dict[str, Answer], scores: dict[str,
         prompt, _, completion = usage_of(a.body)
         result.prompt_tokens += prompt
         result.output_tokens += completion
-    timed = _timed(folder)
-    _measure(result, timed)
-    _project(result, job, [a.custom_id for a in answered], timed)
-
-
-def _timed(folder: Path) -> dict[str, float]:
-    """The finished runs' timing, summed (see _log_run)."""
-    total: Counter[str] = Counter()
-    for run in _runs(folder):
-        total.update({k: v for k, v in run.items() if v is not None})
-    return dict(total)
+    _measure(result, timing)
+    _project(result, job, [a.custom_id for a in answered], timing)
 
 
 def _measure(result: CandidateResult, t: dict[str, float]) -> None:
@@ -282,7 +262,7 @@ def _measure(result: CandidateResult, t: dict[str, float]) -> None:
         result.usd_per_m_output = None if usd is None else usd / result.output_tokens * MILLION
 
 
-def _project(result: CandidateResult, job: JobRows, answered: list[str], timed: dict[str, float]) -> None:
+def _project(result: CandidateResult, job: JobRows, answered: list[str], timing: dict[str, float]) -> None:
     """The whole job: prompt tokens from the file's bytes at the sample's tokens per byte, output
     tokens at the sample's mean per row; time at the measured rates, prefill and decode each
     scaled by its own tokens (their split from the engine; by output tokens for an endpoint)."""
@@ -292,19 +272,8 @@ def _project(result: CandidateResult, job: JobRows, answered: list[str], timed: 
     sample_bytes = sum(job.sizes[i] for i in answered)
     prompt = round(result.prompt_tokens * sum(job.sizes.values()) / sample_bytes)
     output = round(result.output_tokens * rows / len(answered))
-    wall = _projected_wall(timed, prompt, output)
+    wall = projected_wall(timing, prompt, output)
     result.projected = Projection(rows, prompt, output, wall, result.price.cost(wall, prompt, output))
-
-
-def _projected_wall(t: dict[str, float], prompt: int, output: int) -> float | None:
-    if not t.get("wall_s") or not t.get("completion_tokens"):
-        return None
-    decode_scale = output / t["completion_tokens"]
-    engine_s = t.get("prefill_s", 0.0) + t.get("decode_s", 0.0)
-    if not engine_s or not t.get("prompt_tokens"):
-        return t["wall_s"] * decode_scale
-    prefill_share = t.get("prefill_s", 0.0) / engine_s
-    return t["wall_s"] * (prefill_share * prompt / t["prompt_tokens"] + (1 - prefill_share) * decode_scale)
 
 
 def _say(console: Console, text: str) -> None:

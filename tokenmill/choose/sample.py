@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 from tokenmill.jobs.output import JobError, write_json_atomic
-from tokenmill.jobs.spec import CsvLayout, DocumentOptions, Entry, decode_line, json_object_line, read_input
+from tokenmill.jobs.spec import CsvLayout, DocumentOptions, Entry, read_input
+from tokenmill.jobs.subset import write_subset
 
 SAMPLE_FILE, RECORD_FILE = "sample.jsonl", "choose.json"
 RUN_FOLDERS = ("candidates", "judge")  # what --overwrite clears (besides the two files above)
@@ -89,7 +88,7 @@ def prepare_sample(job: JobRows, eligible: list[str], size: int, seed: int, out:
                        "--seed, --sample or the expected ids changed); use another -o, or --overwrite to "
                        "discard it and its candidates' runs")
     out.mkdir(parents=True, exist_ok=True)
-    _write_rows(job, set(ids), path)
+    write_subset(job.path, job.format, job.entries, job.csv_layout, set(ids), path)
     write_json_atomic(record_path, record)
     return Sample(path, ids, reused=False)
 
@@ -99,30 +98,3 @@ def _clear(out: Path) -> None:
         shutil.rmtree(out / name, ignore_errors=True)
     for name in (SAMPLE_FILE, RECORD_FILE):
         (out / name).unlink(missing_ok=True)
-
-
-def _write_rows(job: JobRows, ids: set[str], path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with job.path.open("rb") as src, tmp.open("wb") as dst:
-        for entry in job.entries:
-            if entry.custom_id in ids:
-                src.seek(entry.offset)
-                dst.write(_sample_line(src, entry, job))
-    os.replace(tmp, path)
-
-
-def _sample_line(src: BinaryIO, entry: Entry, job: JobRows) -> bytes:
-    """The job's row that starts where `src` stands, as a sample line that keeps its id (its line
-    number there is lost)."""
-    if job.csv_layout is not None:
-        record = job.csv_layout.read_record(src)
-        row = {"id": entry.custom_id, "prompt": job.csv_layout.prompt_of(record)}
-        return (json.dumps(row, ensure_ascii=False) + "\n").encode()
-    raw = src.readline()
-    if job.format == "batch":
-        return raw if raw.endswith(b"\n") else raw + b"\n"
-    if job.format == "text":
-        row = {"id": entry.custom_id, "prompt": decode_line(raw, entry.line).strip()}
-    else:
-        row = {**json_object_line(raw, entry.line), "id": entry.custom_id}
-    return (json.dumps(row, ensure_ascii=False) + "\n").encode()

@@ -1,0 +1,274 @@
+"""A cascade job from start to end: every row to the first tier, each answer checked, only the
+rows whose answer fails the checks on to the next tier; the last tier's answer is kept whatever it is.
+
+Each tier is an ordinary `tokenmill run` job in its own folder, `OUT/tiers/NAME/`, so a tier
+killed part way resumes as any job does and no row is answered twice by one tier. Between two
+tiers, the hand-on is written whole before the next tier starts:
+
+- `tiers/NAME/rejected.jsonl`: the tier's answers that failed the checks (and its rows that
+  failed for good), each with `"rejected": why` — kept for audit;
+- `tiers/NAME/final_errors.jsonl`: its rows that failed and cannot go on (a bad input line);
+- `tiers/NEXT/input.jsonl`: the rejected rows, ids kept (jobs/subset.py), written last: its
+  existence says the hand-on is complete.
+
+A tier that finished every row writes `done.json` and is not started again (its model is not even
+loaded). When the last tier is done, `OUT/results.jsonl` and `OUT/errors.jsonl` are assembled
+from the tiers (every row once, each with a `cascade` field naming its tier and why the earlier
+tiers' answers were not kept) and replaced whole, so the assembly too can be cut at any point.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import shutil
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import orjson
+from rich.console import Console
+
+from tokenmill.cascade.summary import CascadeOutcome, TierResult, last_tier_alone
+from tokenmill.choose.acceptance import Acceptance, AcceptanceError, acceptance_for
+from tokenmill.choose.candidates import Candidate
+from tokenmill.choose.runs import log_run, timed
+from tokenmill.jobs.backend_specs import build_backend
+from tokenmill.jobs.output import JobError, JobFailed, OutputPaths, is_final, usage_of, write_json_atomic
+from tokenmill.jobs.runner import run_job
+from tokenmill.jobs.spec import DocumentOptions, read_input
+from tokenmill.jobs.subset import write_subset
+from tokenmill.jobs.summary import print_summary
+
+TIERS, CASCADE_FILE, DONE_FILE = "tiers", "cascade.json", "done.json"
+REJECTED_FILE, FINAL_ERRORS_FILE, TIER_INPUT = "rejected.jsonl", "final_errors.jsonl", "input.jsonl"
+
+
+@dataclass
+class CascadeConfig:
+    input: Path
+    output: Path  # a folder
+    tiers: list[Candidate]  # cheapest first
+    accept: list[str]  # the --accept checks every tier but the last must pass
+    input_format: str = "auto"
+    csv_columns: DocumentOptions = field(default_factory=DocumentOptions)
+    overwrite: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if len(self.tiers) < 2:
+            raise JobError(f"a cascade needs at least two --tier (got {len(self.tiers)}): with one, every answer "
+                           "is kept whatever it is, which is `tokenmill run`")
+        names = [t.name for t in self.tiers]
+        if len(set(names)) < len(names):
+            raise JobError(f"--tier names must differ: {sorted({n for n in names if names.count(n) > 1})}")
+
+
+def run_cascade(config: CascadeConfig, console: Console) -> CascadeOutcome:
+    """Run (or resume) the cascade. JobError before any work for what cannot run; JobFailed when a
+    tier could not finish every row (a re-run resumes); KeyboardInterrupt when stopped."""
+    try:
+        checks = [acceptance_for(t, config.accept, "--tier") for t in config.tiers[:-1]]
+    except AcceptanceError as exc:
+        raise JobError(str(exc)) from None
+    for acceptance in checks:
+        if uncalibrated := [c.text for c in acceptance.checks if c.calibrated]:
+            raise JobError(f"--accept {uncalibrated[0]} needs a threshold (e.g. {uncalibrated[0]}>=-1); "
+                           "`tokenmill choose` can calibrate one on a labelled sample")
+    _claim(config)
+    source, fmt = config.input, config.input_format
+    for i, tier in enumerate(config.tiers):
+        folder = config.output / TIERS / tier.name
+        acceptance = checks[i] if i < len(checks) else None
+        if not (folder / DONE_FILE).exists():
+            _run_tier(tier, source, fmt, folder, acceptance, config, console, first=i == 0)
+        if acceptance is not None:
+            after = config.output / TIERS / config.tiers[i + 1].name
+            if not (after / TIER_INPUT).exists():
+                _hand_on(tier.name, source, fmt, folder, acceptance, config, after)
+            source, fmt = after / TIER_INPUT, "auto"
+    return _assemble(config)
+
+
+def _claim(config: CascadeConfig) -> None:
+    """Record what this folder's cascade is; a folder holding another is refused (or cleared with
+    --overwrite), since its tiers' answers would not be this cascade's."""
+    record = {"input": str(config.input), "tiers": [{"name": t.name, "flags": t.flags_text} for t in config.tiers],
+              "accept": config.accept}
+    path = config.output / CASCADE_FILE
+    if config.overwrite:
+        shutil.rmtree(config.output / TIERS, ignore_errors=True)
+        for name in (CASCADE_FILE, "results.jsonl", "errors.jsonl", "summary.json"):
+            (config.output / name).unlink(missing_ok=True)
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != record:
+            changed = [k for k in record if old.get(k) != record[k]]
+            raise JobError(f"{config.output} holds another cascade ({', '.join(changed)} differ); use another -o, "
+                           "or --overwrite to discard it and its tiers' answers")
+        return
+    config.output.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, record)
+
+
+def _run_tier(tier: Candidate, source: Path, fmt: str, folder: Path, acceptance: Acceptance | None,
+              config: CascadeConfig, console: Console, first: bool) -> None:
+    """Run (or resume) one tier's job until every row it was given is final."""
+    if not first and not _has_rows(source):  # the tier before accepted every answer
+        write_json_atomic(folder / DONE_FILE, {"rows": 0})
+        return
+    job = tier.job_config(source, folder, config.progress)
+    options = replace(job.options, prompt_column=config.csv_columns.prompt_column,
+                      id_column=config.csv_columns.id_column)
+    if acceptance is not None and acceptance.logprobs is not None:
+        options = replace(options, logprobs=max(acceptance.logprobs, options.logprobs or 0))
+    job = replace(job, options=options, input_format=fmt)
+    _say(console, f"\n[{tier.name}] tokenmill run {tier.flags_text}")
+    try:
+        outcome = run_job(job, build_backend(tier.backend), console)
+    finally:
+        gc.collect()  # the engine's memory goes before the next tier loads its own
+    print_summary(outcome, console)
+    if outcome.interrupted:
+        raise KeyboardInterrupt
+    log_run(folder, outcome)
+    req = outcome.requests
+    if req.not_done or req.retryable:
+        raise JobFailed(f"tier {tier.name}: {req.not_done + req.retryable} row(s) not final (retryable failures "
+                        "or not done); re-run the same command to resume")
+    write_json_atomic(folder / DONE_FILE, {"rows": req.total})
+
+
+def _has_rows(path: Path) -> bool:
+    with path.open("rb") as f:
+        return any(not line.isspace() for line in f)
+
+
+def _hand_on(name: str, source: Path, fmt: str, folder: Path, acceptance: Acceptance, config: CascadeConfig,
+             after: Path) -> None:
+    """Check the tier's answers; write its rejected and final rows, then the next tier's input."""
+    paths = OutputPaths.from_option(folder)
+    rejected: dict[str, str] = {}
+    with _Writer(folder / REJECTED_FILE) as audit:
+        for row in _rows(paths.results):
+            try:
+                reason = acceptance.rejects(row["response"]["body"])
+            except AcceptanceError as exc:
+                raise JobError(f"--tier {name}: {exc} (its answers are kept in {paths.results})") from None
+            if reason is not None:
+                rejected[row["custom_id"]] = reason
+                audit.write({**row, "rejected": reason})
+        good = read_input(source, config.csv_columns, fmt)
+        ids = {e.custom_id for e in good.entries}
+        with _Writer(folder / FINAL_ERRORS_FILE) as final:
+            # A final error is never retried, so its row has no result beside it.
+            for row in filter(is_final, _rows(paths.errors)):
+                custom_id = row.get("custom_id")
+                if custom_id in ids:
+                    rejected[custom_id] = f"failed: {row['error']['code']}"
+                    audit.write({**row, "rejected": rejected[custom_id]})
+                else:  # a line no tier can read: it ends here
+                    final.write(row)
+    after.mkdir(parents=True, exist_ok=True)
+    write_subset(Path(good.path), good.format, good.entries, good.csv_layout, rejected, after / TIER_INPUT)
+
+
+def _assemble(config: CascadeConfig) -> CascadeOutcome:
+    """OUT/results.jsonl and OUT/errors.jsonl from the tiers, and the summary."""
+    escalations: dict[str, list[dict[str, str]]] = {}
+    tiers: list[TierResult] = []
+    out = config.output
+    with _Writer(out / "results.jsonl") as results, _Writer(out / "errors.jsonl") as errors:
+        for i, tier in enumerate(config.tiers):
+            folder = out / TIERS / tier.name
+            last = i == len(config.tiers) - 1
+            handed = {} if last else {r["custom_id"]: r["rejected"] for r in _rows(folder / REJECTED_FILE)}
+            result = _tier_result(tier, folder)
+            for row in _rows(OutputPaths.from_option(folder).results):
+                result.answered += 1
+                prompt, _, completion = usage_of(row["response"]["body"])
+                result.prompt_tokens += prompt
+                result.completion_tokens += completion
+                if row["custom_id"] not in handed:
+                    result.accepted += 1
+                    results.write(_tagged(row, tier.name, escalations))
+            final = (_rows(OutputPaths.from_option(folder).errors) if last
+                     else _rows(folder / FINAL_ERRORS_FILE))
+            for row in final:
+                if not last or is_final(row):
+                    result.failed += 1
+                    errors.write(_tagged(row, tier.name, escalations))
+            for custom_id, reason in handed.items():
+                escalations.setdefault(custom_id, []).append({"tier": tier.name, "reason": reason})
+            result.rejections = dict(Counter(_kind(r) for r in handed.values()).most_common())
+            result.escalated = len(handed)
+            result.usd = (tier.price.cost(result.wall_s, result.prompt_tokens, result.completion_tokens)
+                          if result.answered else 0.0)
+            tiers.append(result)
+    outcome = CascadeOutcome(str(config.input), str(out / "results.jsonl"), str(out / "errors.jsonl"), tiers)
+    outcome.last_tier_alone = last_tier_alone(tiers)
+    write_json_atomic(out / "summary.json", outcome.to_json())
+    return outcome
+
+
+def _tier_result(tier: Candidate, folder: Path) -> TierResult:
+    done = json.loads((folder / DONE_FILE).read_text()) if (folder / DONE_FILE).exists() else {}
+    timing = timed(folder)
+    return TierResult(tier.name, tier.flags_text, tier.price.describe(), rows=done.get("rows", 0),
+                      wall_s=timing.get("wall_s"))
+
+
+def _tagged(row: dict[str, Any], tier: str, escalations: dict[str, list[dict[str, str]]]) -> dict[str, Any]:
+    """The row with where it was answered, and why the tiers before did not keep their answers."""
+    return {**row, "cascade": {"tier": tier, "rejected_by": escalations.get(row.get("custom_id") or "", [])}}
+
+
+def _kind(reason: str) -> str:
+    """A rejection as a countable kind, its numbers left out: "min-logprob -2.1 < -1" → "min-logprob < -1"."""
+    return _MEASURED.sub("", reason)
+
+
+_MEASURED = re.compile(r" -?\d[\d.e+-]*(?= <)")
+
+
+def _rows(path: Path) -> Iterator[dict[str, Any]]:
+    """A JSONL file's rows, one at a time (a torn last line, from a kill, is not a row)."""
+    if not path.exists():
+        return
+    with path.open("rb") as f:
+        for line in f:
+            try:
+                yield orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+
+
+class _Writer:
+    """A JSONL file written whole: to a temporary file, synced and renamed on success."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.tmp = path, path.with_name(path.name + ".tmp")
+
+    def __enter__(self) -> _Writer:
+        self.file = self.tmp.open("wb")
+        return self
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.file.write(orjson.dumps(row) + b"\n")
+
+    def __exit__(self, kind: object, *_: object) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        if kind is None:
+            os.replace(self.tmp, self.path)
+        else:
+            self.tmp.unlink(missing_ok=True)
+
+
+def _say(console: Console, text: str) -> None:
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
