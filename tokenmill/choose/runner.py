@@ -82,7 +82,8 @@ def choose(config: ChooseConfig, console: Console) -> ChooseReport:
     sample = prepare_sample(job, eligible, config.sample, config.seed, config.output, config.overwrite)
     _say(console, f"{'reusing' if sample.reused else 'drew'} a sample of {len(sample.ids)} of {len(job.entries)} "
                   f"rows (seed {config.seed}) → {sample.path}")
-    results, evidence = [], {}
+    results: list[CandidateResult] = []
+    evidence: dict[str, TierEvidence] = {}  # each candidate's answers, for the cascades of them
     for candidate in config.candidates:
         result = _run(candidate, sample, config, console)
         answers = _read_answers(config.output / CANDIDATES / candidate.name, sample.ids)
