@@ -17,11 +17,15 @@ streams 60 / 30, batch-restart 60 lines killed at ~20; the other three are the s
   streams           200 concurrent streams, 100 closed after a chunk or two: the engine drains to
                     0 running / 0 waiting / 0 KV within seconds, no 5xx, the other 100 end with [DONE]
   traversal         28 path-traversal file ids on the Files API: every answer 404 (or 400), never 200
-                    or 5xx; the real file still readable
+                    or 5xx; the real file still readable; 6 look-alikes of its id ("x/<id>", "<id>.json", …)
+                    as a batch's input_file_id: each a 400, no batch made on one
   batch-restart     a 150-line Batch API batch, the server kill -9'd at ~50 done and restarted on the same
                     --state-dir: completed 150/150, one output row per custom_id
   big-request       a 20 MB body (413) and an 8 MB prompt (400 context_length_exceeded) beside a stream:
                     answered promptly, /health stays under 100 ms, the stream keeps flowing
+  fair-tokenize     four ~1.3 MB prompts being tokenized (--max-model-len 8192, so they are tokenized, not
+                    refused by length), then a 2-token request: answered within 0.5 s (it took 4.65 s when
+                    one pool of two threads served them first come, first served)
   endpoint-restart  `tokenmill run --endpoint` against `tokenmill serve`, the server kill -9'd 5 s in and
                     back ~10 s later: the job ends with every row done once, exit 0 (the circuit
                     breaker and the --retry-for budget; before them, 6 attempts gave up in ~8-16 s)
@@ -475,13 +479,26 @@ def check_traversal(ctx: Context) -> Result:
     with httpx.Client(trust_env=False, timeout=30) as client:
         meta = client.get(f"{server.v1}/files/{real}")
         body = client.get(f"{server.v1}/files/{real}/content")
+        batch_answers = look_alike_batches(client, server, real)
     readable = meta.status_code == 200 and body.status_code == 200 and body.content == content
     problems = bad[:6] + ([f"{len(bad) - 6} more"] if len(bad) > 6 else [])
     if not readable:
         problems.append(f"the real file is not readable: {meta.status_code}/{body.status_code}")
+    problems += [f"input_file_id {spelling!r} -> {status}" for spelling, status in batch_answers.items()
+                 if status not in (400, 404)]
     figures = (f"variants={len(variants)} x {len(routes)} routes ({'with' if has_delete else 'no'} DELETE route) "
-               f"answers={dict(sorted(answers.items(), key=str))} real file readable={readable}")
+               f"answers={dict(sorted(answers.items(), key=str))} real file readable={readable} "
+               f"look-alike input_file_ids={dict(Counter(batch_answers.values()))}")
     return Result("traversal", not problems, figures, "; ".join(problems))
+
+
+def look_alike_batches(client: httpx.Client, server: Server, real: str) -> dict[str, int]:
+    """A batch on each look-alike of the real file's id: the answer's status by spelling. One that
+    was taken (200) named the real file by another spelling, which let its input be deleted under it."""
+    spellings = [f"x/{real}", f"../files/{real}", f"{real}.json", real.upper(), f" {real}", f"{real}/"]
+    return {spelling: client.post(f"{server.v1}/batches", json={
+        "input_file_id": spelling, "endpoint": "/v1/completions", "completion_window": "24h"}).status_code
+        for spelling in spellings}
 
 
 def check_batch_restart(ctx: Context) -> Result:
@@ -668,6 +685,58 @@ def check_big_request(ctx: Context) -> Result:
     return Result("big-request", not problems, "; ".join(parts), "; ".join(problems))
 
 
+FAIR_SHORT_WITHIN_S = 0.5
+FAIR_PROMPT_BYTES = 1_300_000
+
+
+def longest_tokenized_prompt(server: Server, wanted: int) -> int:
+    """`wanted`, or less where the server would refuse a prompt that long by its length alone (without
+    tokenizing it, which is not what this check is about): its 400 says how many characters it takes."""
+    body = {"model": MODEL, "prompt": "word " * (wanted // 5), "max_tokens": 1}
+    refused = httpx.post(f"{server.v1}/completions", json=body, timeout=120, trust_env=False)
+    message = refused.json().get("error", {}).get("message", "") if refused.status_code == 400 else ""
+    if "without tokenizing" not in message:
+        return wanted
+    return int(message.split("at most ")[1].split(" characters")[0].replace(",", "")) - 1000
+
+
+def check_fair_tokenize(ctx: Context) -> Result:
+    """A short request is not queued behind long prompts being tokenized (serve/backend.py's lanes)."""
+    server = Server(ctx.children, ctx.workdir("fair-tokenize"), "--max-model-len", "8192")
+    server.start()
+    size = longest_tokenized_prompt(server, FAIR_PROMPT_BYTES)
+    long_body = b'{"model": "%s", "max_tokens": 1, "prompt": "%s"}' % (MODEL.encode(), b"word " * (size // 5))
+    short_body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+
+    async def measure() -> tuple[float, float, list[int | str], float]:
+        async with httpx.AsyncClient(trust_env=False, timeout=300) as client:
+            start = time.monotonic()
+            (await client.post(f"{server.v1}/completions", json=short_body)).raise_for_status()
+            alone = time.monotonic() - start
+
+            async def post_long() -> int | str:
+                try:
+                    return (await client.post(f"{server.v1}/completions", content=long_body,
+                                              headers={"content-type": "application/json"})).status_code
+                except httpx.HTTPError as exc:
+                    return type(exc).__name__
+
+            began = time.monotonic()
+            longs = [asyncio.create_task(post_long()) for _ in range(4)]
+            await asyncio.sleep(0.5)  # the four are sent and being tokenized
+            start = time.monotonic()
+            short = await client.post(f"{server.v1}/completions", json=short_body)
+            loaded = time.monotonic() - start if short.status_code == 200 else float("inf")
+            statuses = list(await asyncio.gather(*longs))
+            return alone, loaded, statuses, time.monotonic() - began
+
+    alone, loaded, statuses, long_s = asyncio.run(measure())
+    figures = (f"2-token request alone {alone:.2f} s, beside 4 x {size / 1e6:.2f} MB prompts {loaded:.2f} s "
+               f"(goal < {FAIR_SHORT_WITHIN_S} s); the long ones: {dict(Counter(statuses))} in {long_s:.1f} s")
+    problems = [] if loaded < FAIR_SHORT_WITHIN_S else [f"the short request took {loaded:.2f} s"]
+    return Result("fair-tokenize", not problems, figures, "; ".join(problems))
+
+
 def check_endpoint_restart(ctx: Context) -> Result:
     """An endpoint job rides out its server restarting: requests that meet the outage wait and retry
     until it is back, so the job still ends with every row done once and exit 0."""
@@ -723,6 +792,7 @@ CHECKS: dict[str, Callable[[Context], Result]] = {
     "traversal": check_traversal,
     "batch-restart": check_batch_restart,
     "big-request": check_big_request,
+    "fair-tokenize": check_fair_tokenize,
     "endpoint-restart": check_endpoint_restart,
 }
 

@@ -59,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a path a command did not check (each checks its own first): a message, not a traceback
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"tokenmill: error: {where}{(exc.strerror or str(exc)).lower()}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -172,3 +172,97 @@ def server_api_key(explicit: str | None) -> str | None:
 def client_api_key(explicit: str | None) -> str | None:
     """The key a client sends: --api-key, else $TOKENMILL_API_KEY, else $OPENAI_API_KEY, else none."""
     return explicit or next((os.environ[k] for k in CLIENT_API_KEY_ENV if os.environ.get(k)), None)
+
+
+# ---- paths given on the command line ----------------------------------------------------------------
+# Every command checks the paths it was given here, before any work: one wording for each problem,
+# and a message that names the flag, the path and what is wrong with it, instead of a traceback
+# (or a half-made output folder) after the work began.
+class PathError(ValueError):
+    """A path the user gave that cannot be used as asked (the message names the flag)."""
+
+
+class MissingPathError(PathError, FileNotFoundError):
+    """A path that does not exist: still a FileNotFoundError, for callers that catch that."""
+
+
+def readable_file(path: Path, flag: str, folder_ok: bool = False) -> Path:
+    """`path` as a file to read (or, `folder_ok`, a folder such as a model's): PathError when it is
+    missing, a folder, or cannot be read."""
+    where = f"{flag} {path}" if flag else str(path)
+    if not path.exists():
+        raise MissingPathError(f"{where}: {_missing(path)}")
+    if path.is_dir():
+        if not folder_ok:
+            raise PathError(f"{where}: is a folder, not a file")
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise PathError(f"{where}: the folder cannot be read (permission denied)")
+        return path
+    try:
+        with path.open("rb"):
+            pass
+    except OSError as exc:
+        raise PathError(f"{where}: cannot be read ({_reason(exc)})") from None
+    return path
+
+
+def writable_folder(path: Path, flag: str) -> Path:
+    """`path` as a folder to write in, which may not exist yet (it is made when the work starts):
+    PathError when it, or the nearest part of it that exists, is a file, or that folder cannot be
+    written to (read-only, no permission, no space left). Nothing is created here."""
+    problem = _folder_problem(path, path)
+    if problem:
+        raise PathError(f"{flag} {path}: {problem}" if flag else f"{path}: {problem}")
+    return path
+
+
+def writable_file(path: Path, flag: str) -> Path:
+    """`path` as a file to write (or append to): PathError when it is a folder, exists and cannot
+    be written, or its folder cannot be written in (as `writable_folder`)."""
+    where = f"{flag} {path}" if flag else str(path)
+    if path.is_dir():
+        raise PathError(f"{where}: is a folder, not a file")
+    if path.exists():
+        try:
+            with path.open("ab"):  # opens without changing it
+                pass
+        except OSError as exc:
+            raise PathError(f"{where}: cannot be written ({_reason(exc)})") from None
+    problem = _folder_problem(path.parent, path)
+    if problem:
+        raise PathError(f"{where}: {problem}")
+    return path
+
+
+def _folder_problem(path: Path, subject: Path) -> str | None:
+    """What stops writing in the folder `path` (None: nothing); `subject`, the path the message
+    is about, is not named again."""
+    existing = _nearest_existing(path)
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder" if existing != subject else "is a file, not a folder"
+    try:  # the one honest test: root ignores permission bits, not a read-only mount or a full disk
+        with tempfile.TemporaryFile(dir=existing) as probe:
+            probe.write(b"\0")
+            probe.flush()
+    except OSError as exc:
+        return f"cannot write in {existing} ({_reason(exc)})"
+    return None
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path`, or the nearest of its parents that exists ("." for a relative path in a new folder)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _missing(path: Path) -> str:
+    """Why `path` does not exist, when the reason is not its own absence (a parent is a file)."""
+    existing = _nearest_existing(path.parent)
+    if existing.exists() and not existing.is_dir():
+        return f"no such file ({existing} is a file, not a folder)"
+    return "no such file or folder"
+
+
+def _reason(exc: OSError) -> str:
+    return (exc.strerror or str(exc)).lower()

@@ -68,9 +68,27 @@ class RequestError(ValueError):
         self.param = param
 
 
+ID_HEX_DIGITS = 24  # after an id's prefix: 12 random bytes in lowercase hex
+FILE_ID_PREFIX, BATCH_ID_PREFIX = "file-", "batch_"
+
+
 def new_id(prefix: str) -> str:
     """An OpenAI-style id: `chatcmpl-…`, `batch_req_…`, `file-…`."""
-    return f"{prefix}{os.urandom(12).hex()}"  # uuid4 costs 5× more, and a row needs two
+    return f"{prefix}{os.urandom(ID_HEX_DIGITS // 2).hex()}"  # uuid4 costs 5× more, and a row needs two
+
+
+def is_own_id(value: str, prefix: str) -> bool:
+    """Whether `value` is exactly an id `new_id(prefix)` makes. Ids a server takes back (files,
+    batches) are checked with this and nothing looser: an id with a path part, a suffix or another
+    case must not reach an object under another spelling (one spelling stored, another compared)."""
+    digits = value[len(prefix):]
+    return (value.startswith(prefix) and len(digits) == ID_HEX_DIGITS
+            and all(c in "0123456789abcdef" for c in digits))
+
+
+def id_format(prefix: str) -> str:
+    """How `is_own_id` ids look, for messages."""
+    return f"{prefix!r} and {ID_HEX_DIGITS} lowercase hex digits"
 
 
 def new_response_id(url: str) -> str:

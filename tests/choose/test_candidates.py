@@ -36,8 +36,8 @@ def test_flags_become_the_candidates_job_and_backend() -> None:
                           "--price-per-m-input 0.1 --price-per-m-output 0.4")
     assert isinstance(api.backend, EndpointSpec) and api.backend.concurrency == 3 and api.model() == "m"
     assert api.price.per_m_output == 0.4
-    vllm = parse_candidate("v=--engine vllm --dtype float32 --model x")
-    assert vllm.backend == VllmConfig(dtype="float32", model="x")
+    vllm = parse_candidate("v=--engine vllm --dtype float32 --model org/x")  # a hub id: not looked up here
+    assert vllm.backend == VllmConfig(dtype="float32", model="org/x")
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -46,6 +46,7 @@ def test_flags_become_the_candidates_job_and_backend() -> None:
     ("x=--engine vllm --weight-format q4", "--weight-format: the embedded engine's setting"),
     ("x=--replicas 2", "--replicas need --ray"),
     ("x=--choice a,", "--choice must be a non-empty list"),
+    ("x=--model missing.gguf", "--model missing.gguf: no such file or folder"),
 ])
 def test_a_bad_candidate_is_refused_naming_it(text: str, message: str) -> None:
     with pytest.raises(CandidateError, match=message):

@@ -223,5 +223,5 @@ def test_embedded_backend_rules_are_checked_up_front(tmp_path: Path) -> None:
 
 
 def test_missing_input_file(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="not found"):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl: no such file or folder"):
         read_input(tmp_path / "nope.jsonl", DocumentOptions())

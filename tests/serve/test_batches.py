@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import time
+import urllib.parse
 from pathlib import Path
 
 import httpx
@@ -314,3 +315,40 @@ def test_ids_are_never_paths(serve_llm, tmp_path: Path) -> None:
                              ("GET", f"batches/{'é' * 200}"), ("POST", f"batches/{'é' * 200}/cancel")):
             assert httpx.request(method, f"{server.v1}/{path}").status_code == 404, (method, path)
     assert secret.exists()
+
+
+def test_ids_are_taken_exactly_as_the_server_made_them(serve_llm, tmp_path: Path) -> None:
+    """A file id with a path part (or any other spelling) named the real file to one lookup and was
+    stored raw: the batch's input could then be deleted under it. Now every route, and a batch's
+    input_file_id, takes only the id as the server made it."""
+    with serving(serve_llm, tmp_path) as server:
+        client = client_for(server)
+        real = client.files.create(file=("in.jsonl", io.BytesIO(batch_file(1, bad=False))), purpose="batch").id
+        not_file_ids = [f"x/{real}", f"../files/{real}", real.upper(), f" {real}"]
+        unknown_ids = [f"{real}.json", f"{real}\n", real[:-1], f"{real}0", "file-nope", f"{real}/../{real}"]
+        for spelling in not_file_ids + unknown_ids:
+            refused = httpx.post(f"{server.v1}/batches", json={
+                "input_file_id": spelling, "endpoint": "/v1/completions", "completion_window": "24h"})
+            if spelling in not_file_ids:
+                assert refused.status_code == 400, spelling
+                assert refused.json()["error"] == {
+                    "message": f"Invalid 'input_file_id': {spelling!r}. Expected an ID that begins with 'file-' "
+                               "('file-' and 24 lowercase hex digits, as POST /v1/files returns it)",
+                    "type": "invalid_request_error", "param": "input_file_id", "code": "invalid_value"}, spelling
+            else:  # could be a file id, but is not one this server made: unknown
+                assert refused.status_code == 404, spelling
+                assert refused.json()["error"]["code"] == "file_not_found", spelling
+            quoted = f"{server.v1}/files/{urllib.parse.quote(spelling, safe='')}"
+            for method in ("GET", "DELETE"):
+                gone = httpx.request(method, quoted)
+                assert gone.status_code == 404, (method, spelling)
+                assert set(gone.json()["error"]) == {"message", "type", "param", "code"}  # OpenAI's shape
+        assert client.batches.list().data == []  # none was made on a look-alike
+        assert client.files.retrieve(real).id == real  # and the real file is untouched
+
+        batch = client.batches.create(input_file_id=real, endpoint="/v1/completions", completion_window="24h")
+        for spelling in (f"x/{batch.id}", batch.id.upper(), f"{batch.id}.json"):
+            path = urllib.parse.quote(spelling, safe="")
+            assert httpx.get(f"{server.v1}/batches/{path}").status_code == 404, spelling
+            assert httpx.post(f"{server.v1}/batches/{path}/cancel").status_code == 404, spelling
+        assert client.batches.retrieve(batch.id).input_file_id == real

@@ -12,6 +12,7 @@ from tokenmill.cascade.runner import CascadeConfig, run_cascade
 from tokenmill.cascade.summary import print_cascade
 from tokenmill.choose.acceptance import FORMS
 from tokenmill.choose.candidates import parse_candidate
+from tokenmill.environment import readable_file, writable_folder
 from tokenmill.jobs import flags as run_flags
 from tokenmill.jobs.output import JobError, JobFailed
 from tokenmill.jobs.spec import FORMATS, DocumentOptions
@@ -58,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> CascadeConfig:
+    readable_file(args.input, "input")  # before any work (environment.PathError)
+    writable_folder(args.output, "-o")
     tiers = [parse_candidate(text, args.flags, args.price_per_hour, flag="--tier", command="cascade")
              for text in args.tier]
     return CascadeConfig(

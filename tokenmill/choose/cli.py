@@ -20,7 +20,7 @@ from tokenmill.choose.report import print_report, write_reports
 from tokenmill.choose.results import CLEAR_BY, DONE
 from tokenmill.choose.runner import ChooseConfig, choose
 from tokenmill.choose.scorers import DEFAULT_SCORER, SCORERS
-from tokenmill.environment import CLIENT_API_KEY_ENV, client_api_key
+from tokenmill.environment import CLIENT_API_KEY_ENV, client_api_key, readable_file, writable_folder
 from tokenmill.jobs import flags as run_flags
 from tokenmill.jobs.spec import FORMATS, DocumentOptions
 from tokenmill.plan.price import FLAG_HELP as PRICE_HELP
@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> ChooseConfig:
+    _check_paths(args)
     if args.hardware:
         _check_hardware(args.hardware)
     candidates = [parse_candidate(text, args.flags, args.price_per_hour)
@@ -119,6 +120,16 @@ def _config(args: argparse.Namespace) -> ChooseConfig:
         csv_columns=DocumentOptions(prompt_column=args.prompt_column, id_column=args.id_column),
         hardware=args.hardware, overwrite=args.overwrite, progress=not args.no_progress,
     )
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """The files choose reads and the folder it writes, before any work (environment.PathError)."""
+    readable_file(args.job, "the job")
+    readable_file(args.expected, "--expected")
+    for flag, path in (("--schema", args.schema), ("--judge-rubric", args.judge_rubric)):
+        if path is not None:
+            readable_file(path, flag)
+    writable_folder(args.output, "-o")
 
 
 def _with_logprobs(candidates: list[Candidate], cascades: list[CascadeSpec], args: argparse.Namespace

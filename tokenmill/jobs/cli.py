@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from tokenmill.environment import PathError
 from tokenmill.jobs.flags import add_arguments, parse_job
 from tokenmill.jobs.output import JobError, JobFailed
 
@@ -30,13 +31,21 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     try:
         job, spec = parse_job(args)
+        job.check_paths()
         outcome = run_job(job, build_backend(spec), console)
     except JobFailed as exc:
         print(f"tokenmill run: {exc}", file=sys.stderr)
         return EXIT_JOB_FAILED
-    except (JobError, BackendUnavailable) as exc:
+    except (JobError, BackendUnavailable, PathError) as exc:
         print(f"tokenmill run: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except FileNotFoundError as exc:  # an input that is not there (an object store's: local ones are checked first)
+        print(f"tokenmill run: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as exc:  # mid-job: a full disk, a folder gone or made read-only under the job
+        print(f"tokenmill run: stopped: {_os_error(exc)}. The results so far are kept: make room (or fix the "
+              "folder) and re-run the same command to resume", file=sys.stderr)
+        return EXIT_JOB_FAILED
     except KeyboardInterrupt:  # before the work started (validation); nothing to resume yet
         print("tokenmill run: interrupted before any request ran", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -58,6 +67,12 @@ def finish(outcome: JobOutcome, console: Console) -> int:
         _say(console, f"{req.failed} request(s) failed: see {outcome.errors_path}")
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _os_error(exc: OSError) -> str:
+    """`[Errno 28] No space left on device: 'out/results.jsonl'` in words."""
+    reason = (exc.strerror or str(exc)).lower()
+    return f"cannot write {exc.filename}: {reason}" if exc.filename else reason
 
 
 def _say(console: Console, text: str) -> None:

@@ -56,6 +56,20 @@ class JobConfig:
         if self.spool_dir is not None and not remote:
             raise ValueError("--spool-dir is where a URL -o keeps its local journal; a local -o is its own")
 
+    def check_paths(self) -> None:
+        """Refuse, before any work, paths the job could not use: an input that is missing, a folder
+        or unreadable; an output, --errors or --spool-dir where a file is in the way of a folder (or
+        a folder in the way of a file) or that cannot be written to. environment.PathError names
+        the flag. Not in __post_init__: `tokenmill choose` builds its candidates' jobs on stand-in
+        paths and checks its own."""
+        storage.check_input(self.input)
+        local_file = not storage.is_url(self.output) and storage.suffix(self.output) == ".jsonl"
+        storage.check_output(self.output, "-o", is_file=local_file)
+        if self.errors is not None:
+            storage.check_output(self.errors, "--errors", is_file=True)
+        if self.spool_dir is not None:
+            storage.check_output(self.spool_dir, "--spool-dir")
+
     @property
     def writes_parts(self) -> bool:
         """Results sealed into committed parts (parts.py): a URL output, or parquet."""

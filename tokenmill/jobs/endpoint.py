@@ -395,9 +395,11 @@ class EndpointBackend:
             watcher.cancel()
             for lane in run.lanes:
                 lane.breaker.stop()
-        for task in workers:  # a bug in a worker must not pass silently
-            if not task.cancelled() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+        # A bug in a worker, or a full disk, must not pass silently; every worker's error is
+        # retrieved (asyncio prints the ones that are not), the first raised.
+        failed = [error for task in workers if not task.cancelled() and (error := task.exception()) is not None]
+        if failed:
+            raise failed[0]
         return run.lanes
 
     async def _worker(self, run: _Run, lane: _Lane) -> None:

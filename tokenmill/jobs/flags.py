@@ -16,7 +16,7 @@ from tokenmill.engine.args import (
     add_structured_output_arguments,
     structured_outputs_from_args,
 )
-from tokenmill.environment import CLIENT_API_KEY_ENV, client_api_key
+from tokenmill.environment import CLIENT_API_KEY_ENV, NAMED_MODELS, client_api_key, readable_file
 from tokenmill.jobs.config import ORDERS, OUTPUT_FORMATS, PART_ROWS, JobConfig
 from tokenmill.jobs.output import JobError
 from tokenmill.jobs.ray_runner import RayOptions, RaySpec
@@ -219,6 +219,8 @@ def backend_spec(args: argparse.Namespace) -> BackendSpec:
         given = _given(concurrency=args.concurrency)
         endpoints = tuple(EndpointSpec(url, args.model, client_api_key(args.api_key), timeout_s=args.timeout,
                                        retry=retry, rate_limit=rate_limit, **given) for url in urls)
+    if not urls:
+        check_model_path(args.model)
     engine = None if urls else engine_spec(args)
     if not args.ray:
         if urls:  # several: one process spreads the rows over them (endpoint.py)
@@ -229,6 +231,23 @@ def backend_spec(args: argparse.Namespace) -> BackendSpec:
                          **_given(replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
                                   gpus_per_replica=args.gpus_per_replica))
     return RaySpec(endpoints if urls else engine, options)  # type: ignore[arg-type]
+
+
+def check_model_path(model: str | None) -> None:
+    """Refuse, before the output is claimed, an embedded --model that names no file or folder we can
+    read: an existing path must be readable, and one that does not exist must be a named model or
+    a hub id (ORG/NAME) for the loader to fetch. The loader says why a file is not a model."""
+    if model is None or model in NAMED_MODELS:
+        return
+    path = Path(model).expanduser()
+    if path.exists() or not _looks_like_hub_id(model):
+        readable_file(path, "--model", folder_ok=True)
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    from tokenmill.models.loader import looks_like_hub_id  # the loader's rule; torch loads with the model anyway
+
+    return looks_like_hub_id(model)
 
 
 def batch_api_spec(args: argparse.Namespace) -> BatchApiSpec:

@@ -462,8 +462,11 @@ class Appender:
 
     def write_bytes(self, data: bytes) -> None:
         view = memoryview(data)
-        while view:  # a regular file takes it whole; loop only for the odd short write
-            view = view[os.write(self._fd, view):]
+        try:
+            while view:  # a regular file takes it whole; loop only for the odd short write
+                view = view[os.write(self._fd, view):]
+        except OSError as exc:  # a full disk: the error names the file (a descriptor's has no name)
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
         self._dirty = True
 
     def due(self) -> bool:

@@ -258,6 +258,7 @@ class InputStream:
         self, path: Location, options: DocumentOptions, input_format: str = "auto",
         check: Callable[[BatchRequest], None] | None = None,
     ) -> None:
+        storage.check_input(path, "input file")  # missing, a folder, unreadable: said as such
         if not storage.input_exists(path):
             raise FileNotFoundError(f"input file {str(path)!r} not found")
         if input_format not in FORMATS:

@@ -24,6 +24,8 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, BinaryIO
 from urllib.parse import urlparse
 
+from tokenmill.environment import readable_file, writable_file, writable_folder
+
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
@@ -79,6 +81,28 @@ def check(location: Location) -> None:
         filesystem(str(location))
 
 
+def check_input(location: Location, flag: str = "input") -> None:
+    """Refuse, before any work, an input that cannot be read: a local file that is missing, a
+    folder or unreadable (environment.PathError saying which), a URL whose protocol cannot be used.
+    A URL's object is not looked up here: that is a round trip, and opening it says the same."""
+    if is_url(location):
+        filesystem(str(location))
+    else:
+        readable_file(Path(location), flag)
+
+
+def check_output(location: Location, flag: str = "-o", is_file: bool = False) -> None:
+    """Refuse, before any work, an output that cannot be written: a local folder (or, `is_file`,
+    a file) where a file is in the way, or in a folder that cannot be written to; a URL whose
+    protocol cannot be used. Nothing is created."""
+    if is_url(location):
+        filesystem(str(location))
+    elif is_file:
+        writable_file(Path(location), flag)
+    else:
+        writable_folder(Path(location), flag)
+
+
 # ---- inputs ----------------------------------------------------------------------------------------
 def input_exists(location: Location) -> bool:
     if not is_url(location):
@@ -95,8 +119,9 @@ def open_input(location: Location) -> BinaryIO:
     if not is_url(location):
         try:
             return Path(location).open("rb")
-        except (FileNotFoundError, IsADirectoryError):
-            raise FileNotFoundError(f"input file {str(location)!r} not found") from None
+        except OSError:
+            readable_file(Path(location), "input file")  # PathError saying why: missing, a folder, unreadable
+            raise
     fs, path = filesystem(str(location))
     try:
         raw = fs.open(path, "rb")

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rich.console import Console
+
+from tokenmill.environment import PathError, writable_file
 
 from .catalog import THIS_MACHINE, get_hardware
 from .dtypes import KV_DTYPES, WEIGHT_DTYPES
@@ -77,6 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     console = Console()
     try:
+        _check_paths(args)
         if args.list_models or args.list_hardware:
             if args.list_models:
                 console.print(models_table())
@@ -84,9 +88,17 @@ def run(args: argparse.Namespace) -> int:
                 console.print(hardware_table())
             return 0
         return _run_study(args, console) if args.study else _run_plan(args, console)
-    except PlanError as exc:
+    except (PlanError, PathError) as exc:
         print(f"tokenmill plan: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """The files plan writes, before any work (environment.PathError); the files it reads
+    (--measured, --study-file) say what is wrong with them where they are read."""
+    for flag, given in (("--json", args.json), ("--plot", args.plot)):
+        if given:
+            writable_file(Path(given), flag)
 
 
 def _run_study(args: argparse.Namespace, console: Console) -> int:

@@ -66,7 +66,8 @@ def create_app(state: ServeState) -> FastAPI:
                   responses=error_responses(500, *([401] if state.api_key else [])))
     install_handlers(app)
     app.add_middleware(BodyLimit, max_request_bytes=state.max_request_bytes, max_upload_bytes=state.max_upload_bytes)
-    app.include_router(openai_api.router(state), responses={**error_responses(400, 404, 413), **EVENT_STREAM})
+    app.include_router(openai_api.router(state), responses={**error_responses(400, 404, 413, 415),
+                                                                         **EVENT_STREAM})
 
     @app.get("/health", response_class=Response, responses={503: {"description": "the engine loop has stopped"}})
     async def health() -> Response:
@@ -135,7 +136,7 @@ def _file_routes(app: FastAPI, state: ServeState) -> None:
 
 
 def _batch_routes(app: FastAPI, state: ServeState) -> None:
-    @app.post("/v1/batches", responses=error_responses(400, 404, 413))
+    @app.post("/v1/batches", responses=error_responses(400, 404, 413, 415))
     async def create(body: BatchCreate) -> dict[str, Any]:
         expiry = body.output_expires_after.model_dump() if body.output_expires_after else None
         return state.batches.create(body.input_file_id, body.endpoint, body.completion_window, body.metadata, expiry)

@@ -31,8 +31,14 @@ from tokenmill.serve.engine_loop import EngineLoop
 
 LIVE_PRIORITY, BATCH_PRIORITY = 0, 1  # under the "priority" policy live traffic goes first
 # Threads that tokenize live requests (and render their chat templates). Tokenizing a long prompt
-# takes a while; on the event loop it would stall every other client, every stream and /health.
-TOKENIZER_THREADS = 2
+# takes a while (about a second per MB); on the event loop it would stall every other client, every
+# stream and /health. Two lanes, so that short prompts pass long ones: first come, first served
+# on one pool, a 2-token request waited behind four 1.3 MB prompts for 4.6 s. Long prompts queue
+# on their own threads; a short one goes to a thread no long prompt may take, and is tokenized in
+# milliseconds whatever is queued behind the long lane.
+TOKENIZER_THREADS = 2  # the long lane
+SHORT_PROMPT_THREADS = 1  # the short lane
+SHORT_PROMPT_CHARS = 32_768  # ~8k tokens: tens of milliseconds to tokenize
 
 
 @dataclass
@@ -41,17 +47,41 @@ class Prepared:
     engine_request: EngineRequest
 
 
+def prompt_chars(body: dict[str, Any]) -> int:
+    """What there is to tokenize in a body, in characters, before it is checked: the prompt's text
+    (token ids count one each), or every message's. Counted on the event loop, so it looks at no
+    more than the fields; a body of another shape counts as long (the long lane checks it)."""
+    def size(value: Any) -> int:
+        if isinstance(value, str):
+            return len(value)
+        if isinstance(value, list):  # token ids are counted by the list's length, not one by one
+            return sum(size(item) for item in value) if value and isinstance(value[0], (str, list, dict)) \
+                else len(value)
+        if isinstance(value, dict):  # a content part ({"type": "text", "text": ...})
+            return size(value.get("text"))
+        return 1
+
+    if "messages" in body and isinstance(body["messages"], list):
+        return sum(size(m.get("content")) if isinstance(m, dict) else 1 for m in body["messages"])
+    if "prompt" in body:
+        return size(body["prompt"])
+    return SHORT_PROMPT_CHARS + 1
+
+
 class ServingBackend:
     kind = "serve"
 
     def __init__(self, llm: InProcessModel, loop: EngineLoop, model: str, *, batch_id: str = "",
-                 endpoint: str = "") -> None:
-        """`batch_id`, `endpoint`: set for a Batch API job (its lines must all use that endpoint)."""
+                 endpoint: str = "", max_tokens_limit: int | None = None) -> None:
+        """`batch_id`, `endpoint`: set for a Batch API job (its lines must all use that endpoint).
+        `max_tokens_limit`: the most tokens one request may ask for (`serve --max-tokens-limit`)."""
         self.llm, self.loop, self.model = llm, loop, model
         self.batch_id, self.endpoint = batch_id, endpoint
+        self.max_tokens_limit = max_tokens_limit
         self.window = llm.engine.max_num_seqs  # batch requests in the engine at once: a full batch
         self._token_text = token_decoder(llm.tokenizer)  # how logprobs show a token
         self._tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenmill-tokenize")
+        self._short_tokenizers = ThreadPoolExecutor(SHORT_PROMPT_THREADS, thread_name_prefix="tokenmill-tokenize-short")
 
     def check(self, request: BatchRequest, parsed: OpenAIRequest | None = None) -> None:
         """A Batch API line (`request.parsed`: its fields were checked as it was read), or a live
@@ -63,7 +93,21 @@ class ServingBackend:
             raise RequestError(f"body.model {model!r} is not served here (this server serves {self.model!r})",
                                "model")
         parsed = request.parsed if parsed is None else parsed
+        self._hold_to_max_tokens_limit(request.body, parsed)
         check_structured_outputs(parsed, self.llm)  # a Batch API line's bad schema: refused up front
+
+    def _hold_to_max_tokens_limit(self, body: dict[str, Any], parsed: OpenAIRequest) -> None:
+        """A request asking for more tokens than the operator's limit is refused, naming it: clamping
+        it would hand back a shorter answer than asked for, which a client could take for a whole
+        one. One that asks for no number gets the default, held to the limit."""
+        limit = self.max_tokens_limit
+        if limit is None:
+            return
+        field = next((name for name in ("max_completion_tokens", "max_tokens") if body.get(name)), None)
+        if field is not None and body[field] > limit:
+            raise RequestError(f"body.{field} = {body[field]} is over this server's limit of {limit} tokens a "
+                               f"request (tokenmill serve --max-tokens-limit): ask for at most {limit}", field)
+        parsed.params.max_tokens = min(parsed.params.max_tokens, limit)
 
     # ---- one request ----------------------------------------------------------------------------
     def prepare(self, request: BatchRequest, priority: int = LIVE_PRIORITY,
@@ -80,11 +124,14 @@ class ServingBackend:
         return Prepared(request, self.llm.engine.process_request(prompt, params, request.custom_id, priority))
 
     async def prepare_off_loop(self, request: BatchRequest) -> Prepared:
-        """`prepare` for a live request, on a tokenizer thread (see TOKENIZER_THREADS)."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizers, self.prepare, request)
+        """`prepare` for a live request, on a tokenizer thread of its lane (see TOKENIZER_THREADS)."""
+        short = prompt_chars(request.body) <= SHORT_PROMPT_CHARS
+        lane = self._short_tokenizers if short else self._tokenizers
+        return await asyncio.get_running_loop().run_in_executor(lane, self.prepare, request)
 
     def close(self) -> None:
         self._tokenizers.shutdown(wait=False, cancel_futures=True)
+        self._short_tokenizers.shutdown(wait=False, cancel_futures=True)
 
     def response_body(self, prepared: Prepared, out: RequestOutput) -> dict[str, Any]:
         return response_body(prepared.request.url, out, self.model, prepared.request.custom_id,

@@ -33,7 +33,7 @@ from tokenmill.jobs.config import JobConfig
 from tokenmill.jobs.output import JobError, JsonlAppender, error_row, usage_of, write_json_atomic
 from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.spec import DocumentOptions, InputFile, LineError, json_object_line, read_input
-from tokenmill.openai_compat import SUPPORTED_URLS, new_id
+from tokenmill.openai_compat import BATCH_ID_PREFIX, FILE_ID_PREFIX, SUPPORTED_URLS, id_format, is_own_id, new_id
 from tokenmill.serve.backend import ServingBackend
 from tokenmill.serve.errors import APIError, bad_request
 from tokenmill.serve.limits import too_large
@@ -61,7 +61,7 @@ class FileStore:
                expires_after: int | None = None) -> dict[str, Any]:
         """Store bytes, or register a file the server wrote (`path`, e.g. a batch's results);
         with `expires_after`, the file is deleted that many seconds from now."""
-        file_id = new_id("file-")
+        file_id = new_id(FILE_ID_PREFIX)
         if path is None:
             path = self.root / f"{file_id}.jsonl"
             path.write_bytes(data)
@@ -74,7 +74,7 @@ class FileStore:
         Refused (APIError, nothing kept) when it is over `max_bytes` (413), has a line over
         `max_line_bytes` or one that is not a UTF-8 JSON object, or has no request at all (400).
         Blocking (a 200 MB file takes seconds to check): the route calls it on a worker thread."""
-        file_id = new_id("file-")
+        file_id = new_id(FILE_ID_PREFIX)
         path = self.root / f"{file_id}.jsonl"
         partial = path.with_suffix(".part")  # never seen by get() or list(): no .json beside it
         try:
@@ -86,10 +86,13 @@ class FileStore:
         return self._register(file_id, path, filename, purpose)
 
     def get(self, file_id: str) -> dict[str, Any]:
-        try:
-            obj = json.loads(self._meta(file_id).read_text())
-        except (OSError, ValueError):  # no such file, or a name no file can have (too long, a NUL byte)
-            obj = None
+        """The file object; 404 for an id this server did not make, exactly as it made it."""
+        obj = None
+        if is_own_id(file_id, FILE_ID_PREFIX):
+            try:
+                obj = json.loads(self._meta(file_id).read_text())
+            except (OSError, ValueError):  # no such file (deleted, never made)
+                obj = None
         if obj is None or self._expire(obj):
             raise APIError(404, f"No such File object: {file_id}", param="file_id", code="file_not_found")
         return obj
@@ -126,7 +129,7 @@ class FileStore:
         return True
 
     def _meta(self, file_id: str) -> Path:
-        return self.root / f"{Path(file_id).name}.json"  # .name: an id is never a path
+        return self.root / f"{file_id}.json"  # an id checked by `get` (is_own_id): never a path
 
     def _register(self, file_id: str, path: Path, filename: str, purpose: str,
                   expires_after: int | None = None) -> dict[str, Any]:
@@ -218,13 +221,20 @@ class BatchManager:
             raise bad_request(f"completion_window must be one of {list(COMPLETION_WINDOWS)}, got {completion_window!r}",
                               param="completion_window")
         _check_output_expiry(output_expires_after)
+        # The id is stored as given, so it must be exactly one the server made (`files.get` takes no
+        # other): not a file id at all is a 400, in OpenAI's words; one that could be, an unknown one (404).
+        if not input_file_id.startswith(FILE_ID_PREFIX):
+            raise bad_request(f"Invalid 'input_file_id': {input_file_id!r}. Expected an ID that begins with "
+                              f"{FILE_ID_PREFIX!r} ({id_format(FILE_ID_PREFIX)}, as POST /v1/files returns it)",
+                              param="input_file_id", code="invalid_value")
         file = self.files.get(input_file_id)
         if file["purpose"] != "batch":
             raise bad_request(f"file {input_file_id} has purpose {file['purpose']!r}, not 'batch'",
                               param="input_file_id")
         now = self._now()
-        obj = {"id": new_id("batch_"), "object": "batch", "endpoint": endpoint, "model": self.model, "errors": None,
-               "input_file_id": input_file_id, "completion_window": completion_window, "status": "validating",
+        obj = {"id": new_id(BATCH_ID_PREFIX), "object": "batch", "endpoint": endpoint, "model": self.model,
+               "errors": None, "input_file_id": input_file_id, "completion_window": completion_window,
+               "status": "validating",
                "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
                "expires_at": now + COMPLETION_WINDOWS[completion_window], "finalizing_at": None,
                "completed_at": None, "failed_at": None, "expired_at": None, "cancelling_at": None,
@@ -235,10 +245,12 @@ class BatchManager:
         return obj
 
     def get(self, batch_id: str) -> dict[str, Any]:
-        path = self.root / f"{Path(batch_id).name}.json"
+        """The batch object; 404 for an id this server did not make, exactly as it made it."""
         try:
-            text = path.read_text()
-        except (OSError, ValueError):  # no such batch, or a name no file can have (too long, a NUL byte)
+            if not is_own_id(batch_id, BATCH_ID_PREFIX):
+                raise FileNotFoundError(batch_id)
+            text = (self.root / f"{batch_id}.json").read_text()
+        except OSError:  # no such batch
             raise APIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="batch_not_found") from None
         obj = {**BATCH_FIELDS_ADDED_LATER, **json.loads(text)}
         if obj["status"] in ("in_progress", "cancelling"):  # live counts, straight from the output files

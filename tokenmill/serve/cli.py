@@ -29,12 +29,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-upload-bytes", type=int, default=DEFAULT_MAX_UPLOAD_BYTES,
         help=f"largest file for POST /v1/files; larger is a 413. Default {DEFAULT_MAX_UPLOAD_BYTES} (200 MiB): "
         "OpenAI takes Batch API input files up to 200 MB")
+    add("--max-tokens-limit", type=_positive_int, metavar="N",
+        help="refuse (400, naming this limit) a request asking for more than N tokens (max_tokens or "
+        "max_completion_tokens), live or a Batch API line; one asking for none gets the default held to N. "
+        "Default: no limit but the context")
     add("--no-docs", dest="docs", action="store_false",
         help="serve no /docs, /redoc or /openapi.json (with --api-key they need the key too)")
     add("--log-level", default="info")
     add_engine_choice(parser)
     # Live requests go ahead of Batch API lines under "priority" (vLLM schedules by it too).
     add_engine_arguments(parser, defaults={"scheduling_policy": "priority"})
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         llm, model_name=args.served_model_name or model_name(args.model),
         state_dir=args.state_dir.expanduser(), api_key=server_api_key(args.api_key),
         max_request_bytes=args.max_request_bytes, max_upload_bytes=args.max_upload_bytes, docs=args.docs,
+        max_tokens_limit=args.max_tokens_limit,
     )
     print(f"tokenmill serve: {state.model_name} on http://{args.host}:{args.port}/v1", flush=True)
     try:

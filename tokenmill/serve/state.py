@@ -27,6 +27,7 @@ class ServeState:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a JSON body (413 over it)
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES  # a `POST /v1/files` file (413 over it)
     docs: bool = True  # serve /docs, /redoc and /openapi.json
+    max_tokens_limit: int | None = None  # the most tokens a request may ask for (400 over it); None: the context
     # The Batch API's clock (Unix seconds): batch deadlines, output file expiry. Tests move it on
     # to let a batch's 24 h go by in an instant.
     clock: Callable[[], float] = time.time
@@ -35,12 +36,15 @@ class ServeState:
     def __post_init__(self) -> None:
         self.metrics = ServeMetrics(lambda: self.loop.snapshot, self.model_name)
         self.loop = EngineLoop(self.llm.engine, self.metrics)
-        self.backend = ServingBackend(self.llm, self.loop, self.model_name)
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ValueError(f"--max-tokens-limit must be at least 1, got {self.max_tokens_limit}")
+        self.backend = ServingBackend(self.llm, self.loop, self.model_name, max_tokens_limit=self.max_tokens_limit)
         self.files = FileStore(self.state_dir, self.clock)
         self.batches = BatchManager(self.state_dir, self.files, self._batch_backend, self.model_name, self.clock)
 
     def _batch_backend(self, batch_id: str, endpoint: str) -> ServingBackend:
-        return ServingBackend(self.llm, self.loop, self.model_name, batch_id=batch_id, endpoint=endpoint)
+        return ServingBackend(self.llm, self.loop, self.model_name, batch_id=batch_id, endpoint=endpoint,
+                              max_tokens_limit=self.max_tokens_limit)
 
     def start(self) -> None:
         self.loop.start()

@@ -9,6 +9,7 @@ from pathlib import Path
 from tokenmill.jobs.batch_parts import OPENAI_MAX_BYTES, OPENAI_MAX_REQUESTS
 from tokenmill.jobs.flags import add_csv_column_arguments, add_document_arguments
 from tokenmill.jobs.spec import FORMATS, DocumentOptions
+from tokenmill.jobs.storage import check_input, check_output
 from tokenmill.split.parts import WrittenPart, split_input
 
 __all__ = ["add_arguments", "run"]
@@ -34,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        check_input(args.input)  # before any work: a missing or unreadable input, an -o that cannot be written
+        check_output(args.output)
         options = DocumentOptions(
             system=args.system, template=args.template, max_tokens=args.max_tokens, temperature=args.temperature,
             model=args.model, completions=args.completions, prompt_column=args.prompt_column,

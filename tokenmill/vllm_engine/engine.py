@@ -42,6 +42,7 @@ from tokenmill.engine import (
 from tokenmill.models.build import free_memory
 from tokenmill.models.export import hf_folder_for
 from tokenmill.vllm_engine.config import INSTALL_HINT, VllmConfig
+from tokenmill.vllm_engine.lifeline import tie_engine_processes_to_this_one
 
 PREEMPTIONS_READ_EVERY_S = 1.0
 
@@ -126,6 +127,7 @@ class VllmEngine:
             self.engine_args["kv_cache_memory_bytes"] = int(fraction * free_memory(torch.device("cpu")))
         self._vllm = vllm
         self._refusals = _refusal_types()
+        tie_engine_processes_to_this_one()  # a kill -9 of this process takes vLLM's engine processes too
         self._engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**self.engine_args))
         vllm_config = self._engine.vllm_config
         self.tokenizer = self._engine.get_tokenizer()
