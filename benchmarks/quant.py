@@ -2,7 +2,7 @@
 speed, and how they compare with llama.cpp on the same GGUF, measured in one run.
 
     python benchmarks/quant.py accuracy [--windows 12]      # perplexity + greedy agreement vs fp32
-    python benchmarks/quant.py kernels                      # GMAC/s per layer shape, q4/q8 vs fp32
+    python benchmarks/quant.py kernels                      # GMAC/s per layer shape vs the int8 peak
     python benchmarks/quant.py llamacpp [--rounds 3]         # batch 1, llama-bench's pp256/tg64 tests
     python benchmarks/quant.py steady --minutes 30           # one long job: does throughput drift?
 
@@ -17,6 +17,7 @@ import json
 import statistics
 import subprocess
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.bench.runner import CpuMeter
 from tokenmill.engine import perplexity
 from tokenmill.environment import embedded_model_path
+from tokenmill.models import kernels as kernels_lib
 from tokenmill.models.packed import PackedLinear
 from tokenmill.models.quant import QuantizedLinear, quantize
 
@@ -71,8 +73,11 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 # ---- kernels ----------------------------------------------------------------------------------
+# (name, out N, in K, bits): SmolLM2's fused layers, then Gemma 3 270M's as the engine holds them.
 SHAPES = [("qkv", 960, 576, 4), ("o", 576, 576, 4), ("gate_up", 3072, 576, 4), ("down", 576, 1536, 4),
-          ("lm_head", 49152, 576, 8)]
+          ("lm_head", 49152, 576, 8), ("gemma qkv", 1536, 640, 8), ("gemma o", 640, 1024, 4),
+          ("gemma gate_up", 4096, 640, 8), ("gemma down", 640, 2048, 8), ("gemma lm_head", 262144, 640, 8)]
+ROWS = (1, 8, 32, 64, 128, 256)
 
 
 def _best_seconds(fn, x, reps: int) -> float:  # type: ignore[no-untyped-def]
@@ -86,25 +91,56 @@ def _best_seconds(fn, x, reps: int) -> float:  # type: ignore[no-untyped-def]
     return best
 
 
+def int8_peak() -> dict:
+    """benchmarks/int8_peak.c: the clock and the int8 MAC rate of the instructions the GEMM uses,
+    measured on registers alone with every thread."""
+    binary = ROOT / "build" / "int8_peak"
+    binary.parent.mkdir(exist_ok=True)
+    subprocess.run(["cc", "-O2", "-march=native", "-fopenmp", str(ROOT / "benchmarks" / "int8_peak.c"), "-o",
+                    str(binary)], check=True)
+    out = subprocess.run([str(binary), str(torch.get_num_threads())], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
 def kernels(args: argparse.Namespace) -> dict:
+    """GMAC/s per layer shape and row count: the kernel this CPU takes (AVX-512 VNNI where it has
+    it), the AVX2 build of the same source, and oneDNN fp32; against the measured int8 peak."""
     torch.manual_seed(0)
-    results = {}
+    peak = int8_peak()
+    top = max(peak.get("dpbusd_gmacs", 0.0), peak["maddubs_gmacs"])
+    print(f"int8 peak, {peak['threads']} threads at ~{peak['clock_ghz']:.2f} GHz: vpmaddubsw (+ its add) "
+          f"{peak['maddubs_gmacs']:.0f} GMAC/s, vpdpbusd {peak.get('dpbusd_gmacs', 'n/a')} GMAC/s", flush=True)
+    avx2 = kernels_lib.variant(("-mno-avx512vnni",))
+    results: dict = {"peak": peak}
     meter = CpuMeter()
     for name, n, k, bits in SHAPES:
         weight = torch.randn(n, k) * 0.05
         quantized = QuantizedLinear(quantize(weight, bits))
         dense = torch.nn.Linear(k, n, bias=False).requires_grad_(False)
         dense.weight.copy_(weight)
-        fp32 = PackedLinear(dense, 2048, onednn=True, small_batch=True)
-        for m in (1, 8, 32, 64, 256):
+        fp32 = PackedLinear(dense, 2048, onednn=True, small_batch=True) if n * k < 1e8 else None
+        for m in ROWS:
             x = torch.randn(m, k)
             reps = max(3, int(5e7 / (m * n * k)))
-            tq, tf = _best_seconds(quantized, x, reps), _best_seconds(fp32, x, reps)
-            results[f"{name} M={m}"] = {"q": m * n * k / tq / 1e9, "fp32": m * n * k / tf / 1e9}
-            print(f"{name:8s} {n}x{k} q{bits} M={m:3d}: {m * n * k / tq / 1e9:6.1f} GMAC/s, fp32 "
-                  f"{m * n * k / tf / 1e9:6.1f}  -> {tf / tq:.2f}x", flush=True)
+            rate = {"q": m * n * k / _best_seconds(quantized, x, reps) / 1e9}
+            if avx2 is not None:
+                on_avx2 = partial(_run_on, avx2, quantized)
+                rate["q avx2"] = m * n * k / _best_seconds(on_avx2, x, reps) / 1e9
+            if fp32 is not None:
+                rate["fp32"] = m * n * k / _best_seconds(fp32, x, reps) / 1e9
+            rate["q % of peak"] = 100 * rate["q"] / top
+            results[f"{name} M={m}"] = rate
+            print(f"{name:14s} {n}x{k} q{bits} M={m:3d}: " + ", ".join(
+                f"{key} {value:6.1f}" for key, value in rate.items()), flush=True)
     print(_other(meter))
     return results
+
+
+def _run_on(lib, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    y = torch.empty(x.shape[0], layer.out_features)
+    lib.quant_linear(layer.bits, layer._half_scales, x.data_ptr(), *layer._pointers, y.data_ptr(), x.shape[0],
+                     layer.out_features, x.shape[1], torch.get_num_threads())
+    return y
 
 
 # ---- llama.cpp ----------------------------------------------------------------------------------

@@ -16,5 +16,5 @@ if [ ! -d "$DIR/src" ]; then
 fi
 cd "$DIR/src/vendor/llama.cpp"
 cmake -B build -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON >/dev/null
-cmake --build build -j2 --target llama-bench llama-batched-bench
-ls -la build/bin/llama-bench build/bin/llama-batched-bench
+cmake --build build -j2 --target llama-bench llama-batched-bench llama-perplexity
+ls -la build/bin/llama-bench build/bin/llama-batched-bench build/bin/llama-perplexity

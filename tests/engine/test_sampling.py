@@ -111,3 +111,22 @@ def test_logprobs_leave_out_what_min_tokens_suppresses() -> None:
     [found] = out.logprobs
     assert found is not None and found.logprob == pytest.approx(-float(torch.log(torch.tensor(9.0))))
     assert len(found.top) == 9 and 3 not in {t for t, _ in found.top}  # -inf is no alternative
+
+
+def test_filters_on_the_likeliest_candidates_equal_a_sort_of_the_whole_vocabulary() -> None:
+    """Rows filtered on a partial sort (top_k, a top_p the candidates reach) and rows sorted whole
+    (a flat distribution whose nucleus is wider than the candidates) give the distribution a full
+    sort gives."""
+    from tokenmill.engine.sampler import CANDIDATES, _nucleus
+
+    torch.manual_seed(0)
+    vocab = 4 * CANDIDATES
+    logits = torch.randn(5, vocab) * torch.tensor([[8.0], [8.0], [0.01], [8.0], [3.0]])
+    params = [SamplingParams(top_k=50), SamplingParams(top_p=0.9), SamplingParams(top_p=0.9),
+              SamplingParams(top_k=40, top_p=0.5), SamplingParams(temperature=0.7)]
+    seqs = [_seqs(p, 1)[0] for p in params]
+    got = Sampler([0])._filtered_probs(logits.clone(), seqs)
+    for row, p in enumerate(params):
+        want = _nucleus((logits[row] / p.temperature).softmax(-1), p.top_k or vocab, p.top_p)
+        assert torch.allclose(got[row], want, atol=1e-6), row
+    assert (got[2] > 0).sum() > CANDIDATES  # the flat row's nucleus really was wider

@@ -37,11 +37,13 @@ def _compare_every_decode_step(model: CausalLM) -> list[bool]:
 
 
 @needs_kernel
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "phi3", "qwen3", "gemma3"])
 @pytest.mark.parametrize("setting", ["q4", "q8"])
 def test_decode_stack_gives_the_layer_by_layer_logits_bitwise(arch: str, setting: str, tmp_path: Path) -> None:
     """llama: tied embeddings, Llama-3 RoPE scaling; qwen2: q/k/v biases; mistral: a 24-token
-    sliding window the prompts outgrow; phi3: half of each head rotated."""
+    sliding window the prompts outgrow; phi3: half of each head rotated; qwen3: per-head q/k
+    norms; gemma3: four norms scaling by 1 + w, a GELU gate, a query scalar, sliding layers on a
+    local RoPE table."""
     _tiny_model(arch).save_pretrained(tmp_path)
     llm = LLM(weights=load_weights(str(tmp_path)), weight_format=setting, block_size=4, max_num_seqs=8)
     equal = _compare_every_decode_step(llm.engine.runner.model)
@@ -52,9 +54,9 @@ def test_decode_stack_gives_the_layer_by_layer_logits_bitwise(arch: str, setting
 
 
 @needs_kernel
-@pytest.mark.parametrize("arch", ["gemma3", "qwen3", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
 def test_layers_the_stack_does_not_cover_keep_the_layer_by_layer_path(arch: str, tmp_path: Path) -> None:
-    """Gemma 3's four norms and query scalar, Qwen3's q/k norms, MoE experts (which stay fp32)."""
+    """MoE experts (which stay fp32)."""
     _tiny_model(arch).save_pretrained(tmp_path)
     llm = LLM(weights=load_weights(str(tmp_path)), weight_format="q8", block_size=4)
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, progress=False)

@@ -328,3 +328,18 @@ def test_gemma3_270m_gguf_matches_transformers(gemma3_gguf_path: Path, gemma3_re
     _check(llm, ref, _prompts(vocab, [window + 40], seed=9), "longer than the sliding window")
     out = llm.generate(["The capital of France is"], GREEDY, progress=False)[0]
     assert_matches_reference(out.token_ids, ref(out.prompt_token_ids, MAX_NEW))
+
+
+def test_prefill_attended_in_query_chunks_matches_transformers(tiny_model, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Prefill queries attended 4 at a time, each chunk against only the keys its mask can let in
+    (the sliding windows of 8–24 tokens are outgrown by the 50-token prompt), in a batch of mixed
+    lengths (padded query rows) and under chunked prefill."""
+    from tokenmill.models import decoder
+
+    monkeypatch.setattr(decoder, "QUERY_CHUNK", 4)
+    folder, model = tiny_model
+    weights, ref = load_weights(str(folder)), ReferenceCache(model)
+    mixed = _prompts(512, [1, 5, 17, 33, 8, 50])
+    _check(LLM(weights=weights, block_size=4, max_num_seqs=8), ref, mixed, "query chunks, mixed batch")
+    _check(LLM(weights=weights, block_size=4, max_num_seqs=8, max_num_batched_tokens=13), ref, mixed,
+           "query chunks, chunked prefill")

@@ -40,6 +40,8 @@ def test_the_embedded_gguf(gguf_path: Path) -> None:
     assert info.kv_bytes_per_token == {"fp32": 2 * layers * kv_heads * head_dim * 4,
                                        "bf16": 2 * layers * kv_heads * head_dim * 2}
     assert (info.runs, info.reason, info.sliding_window_layers, info.experts) == (True, None, 0, 0)
+    # 30 layers × 7 Q4_1 projections kept as they are; the Q8_0 embedding (tied lm_head) too.
+    assert info.held_as == {"4-bit blocks, as in the file": 210, "F32": 61, "8-bit blocks, as in the file": 1}
 
 
 def test_gemma3_sliding_layers(gemma3_gguf_path: Path) -> None:
@@ -47,6 +49,9 @@ def test_gemma3_sliding_layers(gemma3_gguf_path: Path) -> None:
     assert (info.family, info.model_type, info.architecture) == ("gemma3", "gemma3_text", "Gemma3ForCausalLM")
     assert (info.sliding_window, info.sliding_window_layers, info.layers) == (512, 15, 18)
     assert info.runs
+    # Q4_K_M: Q4_K in 4 bits, Q5_0 and Q8_0 exactly in 8, only the 9 Q6_K down_proj requantised.
+    assert info.held_as == {"F32": 109, "8-bit blocks, as in the file": 91, "4-bit blocks, as in the file": 27,
+                            "8-bit blocks (requantised from Q6_K)": 9}
 
 
 def _save(folder: Path, model_class: str, config_class: str, **settings: Any) -> int:

@@ -5,6 +5,7 @@ quantised linears one prompt at a time."""
 from __future__ import annotations
 
 import copy
+import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from tests.reference import TeacherForcedReference
 from tokenmill import LLM
 from tokenmill.engine import perplexity
 from tokenmill.gguf_header import read_gguf_header
-from tokenmill.models import quant
+from tokenmill.models import kernels, quant
 from tokenmill.models.gguf_file import read_gguf
 from tokenmill.models.loader import load_weights
 from tokenmill.models.quant import Quantized, QuantizedEmbedding, QuantizedLinear, from_gguf_blocks, quantize
@@ -46,12 +47,30 @@ def _integer_reference(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None)
     return y if bias is None else y + bias.double()
 
 
+def _avx2_kernels() -> ctypes.CDLL:
+    """The kernels without AVX-512 VNNI: on a CPU that has it, the AVX2 path is tested this way."""
+    lib = kernels.variant(("-mno-avx512vnni",))
+    assert lib is not None
+    return lib
+
+
+def _run(lib: ctypes.CDLL, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    y = torch.empty(x.shape[0], layer.out_features)
+    assert lib.quant_linear(layer.bits, layer._half_scales, x.data_ptr(), *layer._pointers, y.data_ptr(),
+                            x.shape[0], layer.out_features, x.shape[1], 2) == 0
+    return y
+
+
 @needs_kernel
+@pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("scales", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 8, 32), (3, 40, 64), (4, 16, 96), (7, 136, 320), (130, 24, 64)])
-def test_kernel_computes_the_integer_block_dot_products(bits: int, scales: torch.dtype, m: int, n: int, k: int) -> None:
-    """fp16: scales (and minimums) a GGUF would hold, which the layer keeps in fp16."""
+@pytest.mark.parametrize(("m", "n", "k"),
+                         [(1, 8, 32), (3, 40, 64), (4, 16, 96), (5, 40, 64), (7, 136, 320), (130, 24, 64)])
+def test_kernel_computes_the_integer_block_dot_products(
+        isa: str, bits: int, scales: torch.dtype, m: int, n: int, k: int) -> None:
+    """fp16: scales (and minimums) a GGUF would hold, which the layer keeps in fp16. native: the
+    path this CPU takes (AVX-512 VNNI where it has it); avx2: the kernels built without VNNI."""
     torch.manual_seed(m * n + k)
     w, x = quantize(torch.randn(n, k), bits), torch.randn(m, k) * 3
     if scales == torch.float16:
@@ -60,7 +79,7 @@ def test_kernel_computes_the_integer_block_dot_products(bits: int, scales: torch
     for bias in (None, torch.randn(n)):
         layer = QuantizedLinear(w, bias)
         assert layer.scale.dtype == scales
-        got = layer(x).double()
+        got = (layer(x) if isa == "native" else _run(_avx2_kernels(), layer, x)).double()
         want = _integer_reference(x, w, bias)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), f"{bits}-bit {m}x{n}x{k}"
 
@@ -84,7 +103,7 @@ def test_embedding_rows_read_from_the_packed_layout(bits: int) -> None:
     assert torch.equal(QuantizedEmbedding(QuantizedLinear(w))(ids), w.dequantize()[ids])
 
 
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q5_0", "Q4_0", "Q4_1"])
 def test_gguf_blocks_become_quantized_weights_exactly(ggml_type: str) -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -94,7 +113,7 @@ def test_gguf_blocks_become_quantized_weights_exactly(ggml_type: str) -> None:
     values = np.random.default_rng(0).standard_normal((24, 128)).astype(np.float32)
     blocks = gguf_quantize(values, kind)
     got = from_gguf_blocks(blocks, ggml_type, 24, 128)
-    assert got is not None and got.bits == (8 if ggml_type == "Q8_0" else 4)
+    assert got is not None and got.bits == (4 if ggml_type.startswith("Q4") else 8)
     assert torch.equal(got.dequantize(), torch.from_numpy(dequantize(blocks, kind)))
 
 

@@ -79,20 +79,42 @@ class Sampler:
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Each row's distribution after temperature, top-k and top-p, renormalised. Only the likeliest
+        CANDIDATES (or top_k) tokens are sorted, not the vocabulary (262k for Gemma 3: a full sort
+        per row and step cost more than the model at batch 64); a row whose top_p the candidates
+        do not reach is sorted whole, so the result is exact either way."""
         temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype)
-        logits = logits / temps[:, None]
+        probs = (logits / temps[:, None]).softmax(dim=-1)
         vocab = logits.shape[-1]
         top_k = torch.tensor([s.params.top_k or vocab for s in seqs]).clamp(max=vocab)
         top_p = torch.tensor([s.params.top_p for s in seqs], dtype=logits.dtype)
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab)[None, :]
-        remove = ranks >= top_k[:, None]
-        sorted_probs = sorted_logits.softmax(dim=-1)
+        if bool((top_k == vocab).all()) and bool((top_p >= 1.0).all()):
+            return probs
+        width = min(vocab, max(CANDIDATES, int(top_k[top_k < vocab].max()) if bool((top_k < vocab).any()) else 0))
+        sorted_probs, order = probs.topk(width, dim=-1)
+        unfiltered = (top_k == vocab) & (top_p >= 1.0)
+        whole = ((top_k > width) & (sorted_probs.sum(dim=-1) < top_p) & ~unfiltered).nonzero().flatten().tolist()
+        ranks = torch.arange(width)[None, :]
         # Drop a token once the tokens ranked above it already cover top_p (keeps the first).
-        remove |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
-        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-        filtered = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-        return filtered.softmax(dim=-1)
+        remove = (ranks >= top_k[:, None]) | ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None])
+        kept = sorted_probs.masked_fill(remove, 0.0)
+        filtered = torch.zeros_like(probs).scatter_(-1, order, kept / kept.sum(dim=-1, keepdim=True))
+        for row in whole:  # the nucleus reaches past the candidates: sort the whole row
+            filtered[row] = _nucleus(probs[row], int(top_k[row]), float(top_p[row]))
+        filtered[unfiltered] = probs[unfiltered]
+        return filtered
+
+
+# Tokens sorted per sampled row before top-p looks further (a nucleus is rarely wider).
+CANDIDATES = 1024
+
+
+def _nucleus(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    sorted_probs, order = probs.sort(descending=True)
+    ranks = torch.arange(len(probs))
+    remove = (ranks >= top_k) | ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p)
+    kept = sorted_probs.masked_fill(remove, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, kept / kept.sum())
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -64,6 +64,8 @@ def _rows(info: ModelInfo) -> list[tuple[str, str]]:
                                         f"{info.layers} layers"))
     if info.experts:
         rows.append(("experts", f"{info.experts_per_token} of {info.experts} per token"))
+    if info.held_as:
+        rows.append(("kept in memory", "; ".join(f"{how} ×{n}" for how, n in info.held_as.items())))
     rows.append(("runs here", "yes" if info.runs else f"no: {info.reason}"))
     return rows
 

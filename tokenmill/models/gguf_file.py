@@ -83,12 +83,12 @@ def read_gguf(path: Path, weight_format: str = "fp32") -> tuple[dict[str, Any], 
     for name, info in header.tensors.items():
         if name == ROPE_FREQS:
             continue  # in the config as rope_freq_factors
-        hf_name = _hf_name(name, arch)
-        bits = target_bits(weight_format, hf_name, info.type_name, len(info.shape))
+        target = hf_tensor_name(name, arch)
+        bits = target_bits(weight_format, target, info.type_name, len(info.shape))
         if bits is None or not fits_kernel(*reversed(info.shape)):
-            state_dict[hf_name] = _hf_tensor(info, data, hf_name, arch, config)
+            state_dict[target] = _hf_tensor(info, data, target, arch, config)
         else:
-            state_dict[hf_name] = _hf_quantized(info, data, hf_name, arch, config, bits)
+            state_dict[target] = _hf_quantized(info, data, target, arch, config, bits)
     return config, state_dict
 
 
@@ -103,7 +103,7 @@ def refuse_unrunnable(header: GGUFHeader) -> None:
         )
     for name in header.tensors:
         if name != ROPE_FREQS:
-            _hf_name(name, arch)
+            hf_tensor_name(name, arch)
 
 
 def _file_bytes(header: GGUFHeader) -> np.ndarray:
@@ -254,7 +254,7 @@ def _gemma3_layer_types(pattern: Any, layers: int, has_window: bool) -> list[str
     return ["sliding_attention" if flag else "full_attention" for flag in sliding]
 
 
-def _hf_name(name: str, arch: str) -> str:
+def hf_tensor_name(name: str, arch: str) -> str:
     layer_names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if match:

@@ -17,7 +17,7 @@ from typing import Any
 
 from tokenmill.gguf_header import GGUFHeader, read_gguf_header
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.gguf_file import gguf_config, refuse_unrunnable
+from tokenmill.models.gguf_file import ROPE_FREQS, gguf_config, hf_tensor_name, refuse_unrunnable
 from tokenmill.models.loader import (
     check_folder,
     looks_like_hub_id,
@@ -26,6 +26,7 @@ from tokenmill.models.loader import (
     safetensors_header,
     weight_files,
 )
+from tokenmill.models.quant import held_as
 
 # The KV cache dtypes whose size per token is reported.
 KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -54,6 +55,8 @@ class ModelInfo:
     head_dim: int | None = None
     vocab_size: int | None = None
     kv_bytes_per_token: dict[str, int] = field(default_factory=dict)  # per KV_DTYPE_BYTES dtype
+    # GGUF: how the loader keeps the tensors under --weight-format auto (quant.held_as) -> how many.
+    held_as: dict[str, int] = field(default_factory=dict)
     sliding_window: int | None = None
     sliding_window_layers: int = 0
     experts: int = 0
@@ -96,7 +99,18 @@ def _describe_gguf(header: GGUFHeader) -> ModelInfo:
         tied_embeddings="output.weight" not in header.tensors,  # llama.cpp's name for lm_head
         weight_bytes=sum(t.n_bytes for t in tensors),
         reason=_refusal(loads),
+        held_as=_held_as(header),
     )
+
+
+def _held_as(header: GGUFHeader) -> dict[str, int]:
+    arch = str(header.metadata.get("general.architecture"))
+    try:
+        names = {name: hf_tensor_name(name, arch) for name in header.tensors if name != ROPE_FREQS}
+    except ValueError:  # a tensor the loader has no name for: the file does not run (see reason)
+        return {}
+    return _most_first(held_as("auto", names[name], info.type_name, info.shape)
+                       for name, info in header.tensors.items() if name in names)
 
 
 def _describe_folder(folder: Path) -> ModelInfo:

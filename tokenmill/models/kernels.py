@@ -38,8 +38,8 @@ _SIGNATURES = {
     "quant_linear_available": [],
     "rms_norm": [_P, _P, _P, _I, _I, _F, _F, _I],
     "rope_inplace": [_P, _P, _P, _I, _I, _I, _I, _I64, _I],
-    "silu_mul": [_P, _P, _I, _I, _I],
-    "decode_layers": [_P, _P, _P, _I] + [_P] * 5 + [_I],
+    "gated_activation": [_P, _P, _I, _I, _I, _I],
+    "decode_layers": [_P, _P, _P, _I] + [_P] * 7 + [_I],
 }
 
 
@@ -53,9 +53,10 @@ class QuantLinear(ctypes.Structure):
 class DecodeLayer(ctypes.Structure):
     """csrc/decode_layers.c's DecodeLayer: one decoder layer's weights and KV cache."""
 
-    _fields_ = [("input_norm", _P), ("post_attention_norm", _P), ("qkv", QuantLinear), ("o", QuantLinear),
+    _fields_ = [("input_norm", _P), ("post_attention_norm", _P), ("q_norm", _P), ("k_norm", _P),
+                ("ffn_norm", _P), ("post_ffn_norm", _P), ("qkv", QuantLinear), ("o", QuantLinear),
                 ("gate_up", QuantLinear), ("down", QuantLinear), ("k_cache", _P), ("v_cache", _P),
-                ("window", _I64)]
+                ("window", _I64), ("local_rope", _I)]
 
 
 class DecodeShape(ctypes.Structure):
@@ -63,7 +64,7 @@ class DecodeShape(ctypes.Structure):
 
     _fields_ = [(name, _I) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "rotary",
                                         "intermediate", "block_size", "max_blocks")] + \
-               [("eps", _F), ("attention_scale", _F)]
+               [("eps", _F), ("attention_scale", _F), ("norm_offset", _F), ("activation", _I), ("q_scale", _F)]
 
 
 _lock = threading.Lock()
@@ -80,8 +81,9 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
-def _compile(compiler: str) -> Path:
-    digest = hashlib.sha256(" ".join([compiler, *_FLAGS, _cpu_signature()]).encode())
+def _compile(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
+    flags = [*_FLAGS, *extra_flags]
+    digest = hashlib.sha256(" ".join([compiler, *flags, _cpu_signature()]).encode())
     for source in _SOURCES + _HEADERS:
         digest.update(source.name.encode() + source.read_bytes())
     target = cache_root() / "kernels" / f"tokenmill-kernels-{digest.hexdigest()[:16]}.so"
@@ -91,19 +93,19 @@ def _compile(compiler: str) -> Path:
     # Build beside the target and rename: concurrent processes never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built), "-lm"],
+        subprocess.run([compiler, *flags, *map(str, _SOURCES), "-o", str(built), "-lm"],
                        check=True, capture_output=True, text=True, timeout=120)
         os.replace(built, target)
     return target
 
 
-def _load() -> ctypes.CDLL | None:
+def _load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler found: the CPU kernels are off (slower PyTorch fallbacks)")
         return None
     try:
-        lib = ctypes.CDLL(str(_compile(compiler)))
+        lib = ctypes.CDLL(str(_compile(compiler, extra_flags)))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("CPU kernels unavailable (%s): using PyTorch fallbacks", detail)
@@ -123,6 +125,16 @@ def library() -> ctypes.CDLL | None:
         if not _tried:
             _library, _tried = _load(), True
     return _library
+
+
+def variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The kernels built with more compiler flags, loaded beside library(): how tests and benchmarks
+    run a path this CPU would not take, e.g. ("-mno-avx512vnni",) for the AVX2 GEMM on a VNNI CPU."""
+    return _load(extra_flags)
+
+
+# csrc/team.h's activations of gated_activation, by transformers' hidden_act name.
+GATED_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 
 def supports(device: torch.device, dtype: torch.dtype) -> bool:

@@ -25,6 +25,7 @@ from tokenmill.models.weight_formats import WEIGHT_FORMATS as WEIGHT_FORMATS  # 
 
 BLOCK = 32
 _FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
+_EIGHT_BIT = ("Q8_0", "Q5_0")  # the other GGUF types from_gguf_blocks maps exactly (to 8 bits)
 _FLOAT = ("F32", "F16", "BF16", "F64")
 # Weights read by a token id, or producing the logits: kept at 8 bits under q4 (as llama.cpp's
 # 4-bit presets keep the output layer wider) unless the file already has them in 4 bits.
@@ -62,7 +63,8 @@ Weight = torch.Tensor | Quantized  # a state dict's value once the loader may ke
 def target_bits(setting: str, name: str, source_type: str, ndim: int = 2) -> int | None:
     """The bits a weight is kept in under `setting` (None: fp32). `source_type`: its GGUF type name
     ("Q4_K", "F16", ...), "F32" for safetensors weights. auto keeps a quantised file quantised:
-    4-bit types in 4 bits (exactly), Q8_0 in 8 (exactly), other types (Q5, Q6_K...) in 8."""
+    4-bit types in 4 bits (exactly), Q8_0 and Q5_0 in 8 (exactly), other types (Q5_1, Q6_K...) in 8
+    (requantised)."""
     if setting == "fp32" or ndim != 2 or not (name.endswith("_proj.weight") or name in EMBEDDING_NAMES):
         return None
     if setting == "auto":
@@ -70,6 +72,17 @@ def target_bits(setting: str, name: str, source_type: str, ndim: int = 2) -> int
     if setting == "q4" and (name not in EMBEDDING_NAMES or source_type in _FOUR_BIT):
         return 4
     return 8
+
+
+def held_as(setting: str, name: str, source_type: str, shape: tuple[int, ...]) -> str:
+    """How the loader keeps a tensor of this GGUF type under `setting` (shape innermost first, as
+    GGUF gives it): its own blocks, blocks requantised from fp32 values, or fp32."""
+    bits = target_bits(setting, name, source_type, len(shape))
+    if bits is None or not fits_kernel(*reversed(shape)):
+        return source_type if source_type == "F32" else f"fp32 (dequantised from {source_type})"
+    if source_type in (_FOUR_BIT if bits == 4 else _EIGHT_BIT):
+        return f"{bits}-bit blocks, as in the file"
+    return f"{bits}-bit blocks (requantised from {source_type})"
 
 
 def quantize_linear_weights(state: dict[str, Weight], setting: str) -> dict[str, Weight]:
@@ -244,12 +257,17 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 
 
 def from_gguf_blocks(raw: np.ndarray, ggml_type: str, n: int, k: int) -> Quantized | None:
-    """Q8_0, Q4_0, Q4_1 and Q4_K row bytes [N, row_bytes] as a Quantized without fp32; None for
-    other types. Layouts as in ggml-common.h."""
+    """Q8_0, Q5_0 (as 8 bits), Q4_0, Q4_1 and Q4_K row bytes [N, row_bytes] as a Quantized without
+    fp32; None for other types. Layouts as in ggml-common.h."""
     rows = np.ascontiguousarray(raw).reshape(n, -1)
     if ggml_type == "Q8_0":  # 2-byte fp16 d, 32 int8
         b = rows.reshape(n, k // 32, 34)
         return Quantized(8, _t(b[..., 2:].view(np.int8).reshape(n, k)), _t(_f16(b[..., :2])[..., 0]))
+    if ggml_type == "Q5_0":  # fp16 d, 4 bytes of fifth bits, 16 of nibbles: d · (q - 16), q in 0..31
+        b = rows.reshape(n, k // 32, 22)
+        high = np.unpackbits(b[..., 2:6], axis=-1, bitorder="little")  # bit j of the uint32: element j's
+        q = _nibbles(b[..., 6:], n, k).reshape(n, k // 32, 32) | (high << 4)
+        return Quantized(8, _t((q.astype(np.int16) - 16).astype(np.int8).reshape(n, k)), _t(_f16(b[..., :2])[..., 0]))
     if ggml_type in ("Q4_0", "Q4_1"):  # d (and m) fp16, then 16 bytes: element j low nibble, j+16 high
         head = 2 if ggml_type == "Q4_0" else 4
         b = rows.reshape(n, k // 32, head + 16)

@@ -38,25 +38,32 @@ int rope_inplace(float *x, const float *cos_t, const float *sin_t, int T, int H,
     return 0;
 }
 
-/* out[t, i] = silu(gate_up[t, i]) · gate_up[t, I + i]: the gated MLP's activation, gate and up
- * halves side by side as the fused projection leaves them. I is a multiple of 8. */
-void silu_mul_team(const float *gate_up, float *out, int T, int I) {
+/* 1 / (1 + e^-z), eight at a time, from e^-|z| (never overflows). */
+static inline vec8 sigmoid8(vec8 z) {
+    const vec8 e = exp8(select8(z < 0.0f, z, -z));
+    return select8(z < 0.0f, e / (1.0f + e), 1.0f / (1.0f + e));
+}
+
+/* out[t, i] = act(gate_up[t, i]) · gate_up[t, I + i]: the gated MLP's activation, gate and up
+ * halves side by side as the fused projection leaves them. I is a multiple of 8. act: SILU, or
+ * GELU_TANH (Gemma's gelu_pytorch_tanh: 0.5·x·(1 + tanh(u)) = x·sigmoid(2u), with
+ * u = sqrt(2/π)·(x + 0.044715·x³)). */
+void gated_activation_team(const float *gate_up, float *out, int T, int I, int act) {
 #pragma omp for schedule(static)
     for (int t = 0; t < T; t++) {
         const float *g = gate_up + (int64_t)t * 2 * I, *u = g + I;
         float *o = out + (int64_t)t * I;
         for (int i = 0; i < I; i += 8) {
             const vec8 x = LOAD(g + i);
-            const vec8 e = exp8(select8(x < 0.0f, x, -x));  /* e^-|x|: never overflows */
-            const vec8 sigmoid = select8(x < 0.0f, e / (1.0f + e), 1.0f / (1.0f + e));
-            *(vec8u *)(o + i) = x * sigmoid * LOAD(u + i);
+            const vec8 z = act == GELU_TANH ? 1.5957691216f * (x + 0.044715f * x * x * x) : x;
+            *(vec8u *)(o + i) = x * sigmoid8(z) * LOAD(u + i);
         }
     }
 }
 
-int silu_mul(const float *gate_up, float *out, int T, int I, int num_threads) {
-    if (I % 8 != 0) return -1;
+int gated_activation(const float *gate_up, float *out, int T, int I, int act, int num_threads) {
+    if (I % 8 != 0 || (act != SILU && act != GELU_TANH)) return -1;
 #pragma omp parallel num_threads(num_threads) if ((int64_t)T * I >= 16384)
-    silu_mul_team(gate_up, out, T, I);
+    gated_activation_team(gate_up, out, T, I, act);
     return 0;
 }

@@ -9,16 +9,16 @@
 
 #include "team.h"
 
+void rms_norm_row(const float *x, const float *w, float *y, int K, float eps, float offset) {
+    float sum = 0.f;
+    for (int k = 0; k < K; k++) sum += x[k] * x[k];
+    const float inv = 1.f / sqrtf(sum / K + eps);
+    for (int k = 0; k < K; k++) y[k] = x[k] * inv * (offset + w[k]);
+}
+
 void rms_norm_team(const float *x, const float *w, float *y, int M, int K, float eps, float offset) {
 #pragma omp for schedule(static)
-    for (int m = 0; m < M; m++) {
-        const float *xm = x + (int64_t)m * K;
-        float *ym = y + (int64_t)m * K;
-        float sum = 0.f;
-        for (int k = 0; k < K; k++) sum += xm[k] * xm[k];
-        const float inv = 1.f / sqrtf(sum / K + eps);
-        for (int k = 0; k < K; k++) ym[k] = xm[k] * inv * (offset + w[k]);
-    }
+    for (int m = 0; m < M; m++) rms_norm_row(x + (int64_t)m * K, w, y + (int64_t)m * K, K, eps, offset);
 }
 
 int rms_norm(const float *x, const float *w, float *y, int M, int K, float eps, float offset,

@@ -31,7 +31,10 @@ int8_t *thread_scratch(size_t bytes);
 void rms_norm_team(const float *x, const float *w, float *y, int M, int K, float eps, float offset);
 void rope_team(float *x, const float *cos_t, const float *sin_t, int T, int H, int D, int R,
                int64_t row_stride);
-void silu_mul_team(const float *gate_up, float *out, int T, int I);
+enum { SILU = 0, GELU_TANH = 1 };  /* gated_activation_team's act */
+void gated_activation_team(const float *gate_up, float *out, int T, int I, int act);
+/* One row of rms_norm_team (x and y may be the same: in place). */
+void rms_norm_row(const float *x, const float *w, float *y, int K, float eps, float offset);
 
 /* q rows `q_stride` floats apart, out rows `out_stride` apart; *failed is set (never cleared)
  * when a context is empty or longer than its block table, or scratch cannot be allocated. */

@@ -1,0 +1,235 @@
+"""tokenmill against llama.cpp's `llama-batched-bench` on the same GGUF files, same shapes, same
+threads, measured in alternating rounds in one run; perplexity beside it from `llama-perplexity`.
+
+    python benchmarks/vs_llamacpp.py                                  # both models, both shapes
+    python benchmarks/vs_llamacpp.py --models smollm2 --shapes 256x64 --batches 1,32 --rounds 1
+    python benchmarks/vs_llamacpp.py --threads 1,2 --shapes 256x64 --batches 32   # thread scaling
+
+A shape PPxTG is B prompts of PP random tokens, each generating TG tokens with EOS ignored, prefix
+caching off. llama-batched-bench prefills all B prompts, then decodes B sequences TG times; the
+engine gets all B requests at once with max_num_seqs = B and schedules them its own way (chunked
+prefill beside decodes). The figure compared is the one a batch job pays for: output tokens per
+second end to end, B·TG / the whole run's wall time. Prefill and decode are also printed apart:
+llama.cpp's own T_PP and T_TG; the engine's prefill is until the last request's first token.
+
+Each round runs llama.cpp then tokenmill for every (model, shape, batch), so a ratio compares the
+two under the same conditions (this machine's speed drifts); the table is the median of the rounds'
+ratios. Every figure carries the CPU seconds other processes used meanwhile. llama.cpp comes from
+`bash benchmarks/setup_llamacpp.sh`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.bench.runner import CpuMeter, environment
+from tokenmill.engine import perplexity
+from tokenmill.environment import named_model_path
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "benchmarks" / "corpus.txt"
+BIN = ROOT / "build" / "llamacpp" / "src" / "vendor" / "llama.cpp" / "build" / "bin"
+PERPLEXITY_WINDOW, PERPLEXITY_WINDOWS = 512, 12
+
+
+@dataclass
+class Cell:
+    model: str
+    shape: str
+    batch: int
+    threads: int
+    engine: str
+    out_tok_s: float  # B·TG / whole wall time
+    prefill_tok_s: float
+    decode_tok_s: float
+    wall_s: float
+    other_cpu_s: float | None
+
+
+def _shape(text: str) -> tuple[int, int]:
+    pp, tg = text.lower().split("x")
+    return int(pp), int(tg)
+
+
+# ---- llama.cpp ------------------------------------------------------------------------------------
+def llama_batched_bench(model: str, path: Path, shape: str, batches: list[int], threads: int) -> list[Cell]:
+    pp, tg = _shape(shape)
+    meter = CpuMeter()
+    out = subprocess.run(
+        [str(BIN / "llama-batched-bench"), "-m", str(path), "-c", str(max(batches) * (pp + tg)), "-b", "2048",
+         "-ub", "512", "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, batches)), "-t", str(threads),
+         "--output-format", "jsonl"],
+        check=True, capture_output=True, text=True).stdout
+    other = meter.other_seconds()  # one figure for the whole process: its batches run back to back
+    cells = []
+    for line in out.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            b = row["pl"]
+            cells.append(Cell(model, shape, b, threads, "llama.cpp", b * tg / row["t"], row["speed_pp"],
+                              row["speed_tg"], row["t"], other))
+    return cells
+
+
+def llama_perplexity(path: Path, threads: int) -> float:
+    out = subprocess.run(
+        [str(BIN / "llama-perplexity"), "-m", str(path), "-f", str(CORPUS), "-c", str(PERPLEXITY_WINDOW),
+         "--chunks", str(PERPLEXITY_WINDOWS), "-t", str(threads)],
+        check=True, capture_output=True, text=True)
+    match = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
+    if not match:
+        raise RuntimeError(f"llama-perplexity printed no estimate:\n{out.stderr[-2000:]}")
+    return float(match.group(1))
+
+
+# ---- tokenmill ------------------------------------------------------------------------------------
+def load(path: Path, threads: int) -> LLM:
+    llm = LLM(str(path), enable_prefix_caching=False, num_threads=threads, max_num_seqs=64)
+    # Warm-up at a real shape (first-touch of the KV cache and scratch buffers; llama-batched-bench
+    # warms up too): a first 256-token request measured 50 out tok/s, the next ones 60-66.
+    warm = [{"prompt_token_ids": [1000 + i] * 256} for i in range(8)]
+    llm.generate(warm, SamplingParams(max_tokens=16, min_tokens=16, ignore_eos=True), progress=False)
+    return llm
+
+
+def tokenmill_cell(llm: LLM, model: str, shape: str, batch: int, threads: int, rng: random.Random) -> Cell:
+    pp, tg = _shape(shape)
+    vocab = llm.engine.runner.model.config.vocab_size
+    prompts = [{"prompt_token_ids": [rng.randrange(1000, vocab - 1000) for _ in range(pp)]} for _ in range(batch)]
+    params = SamplingParams(max_tokens=tg, min_tokens=tg, temperature=0, ignore_eos=True)
+    llm.engine.set_max_num_seqs(batch)
+    meter, t0 = CpuMeter(), time.monotonic()
+    outputs = llm.generate(prompts, params, progress=False)
+    wall = time.monotonic() - t0
+    assert all(len(o.token_ids) == tg for o in outputs)
+    first = max(o.timings.first_token or t0 for o in outputs) - t0
+    return Cell(model, shape, batch, threads, "tokenmill", batch * tg / wall, batch * pp / first,
+                batch * (tg - 1) / max(wall - first, 1e-9), wall, meter.other_seconds())
+
+
+# ---- the run --------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> dict:
+    rng = random.Random(0)
+    paths = {name: named_model_path(name) for name in args.models}
+    rounds: list[list[Cell]] = []
+    for r in range(args.rounds):
+        cells: list[Cell] = []
+        for threads in args.threads:
+            for model, path in paths.items():
+                llm = load(path, threads)
+                for shape in args.shapes:
+                    cells += llama_batched_bench(model, path, shape, args.batches, threads)
+                    cells += [tokenmill_cell(llm, model, shape, b, threads, rng) for b in args.batches]
+                    _print_round(r, [c for c in cells if (c.model, c.shape, c.threads) == (model, shape, threads)])
+                del llm
+        rounds.append(cells)
+    table = _ratios(rounds)
+    results: dict = {"environment": environment(), "rounds": [[asdict(c) for c in cells] for cells in rounds],
+                     "table": table}
+    if args.perplexity:
+        results["perplexity"] = {model: _perplexities(path, max(args.threads)) for model, path in paths.items()}
+    _print_table(table, results.get("perplexity", {}))
+    return results
+
+
+def _perplexities(path: Path, threads: int) -> dict:
+    theirs = llama_perplexity(path, threads)
+    llm = LLM(str(path), num_threads=threads)
+    ours = perplexity(llm.engine, CORPUS.read_text(), window=PERPLEXITY_WINDOW, max_windows=PERPLEXITY_WINDOWS).value
+    return {"tokenmill": round(ours, 4), "llama.cpp": round(theirs, 4), "change": f"{ours / theirs - 1:+.2%}"}
+
+
+def _print_round(r: int, cells: list[Cell]) -> None:
+    for c in sorted(cells, key=lambda c: (c.batch, c.engine)):
+        print(f"round {r + 1} {c.model:12s} {c.shape:9s} B{c.batch:<3d} t{c.threads} {c.engine:9s} "
+              f"out {c.out_tok_s:7.1f} tok/s  prefill {c.prefill_tok_s:7.1f}  decode {c.decode_tok_s:7.1f}  "
+              f"wall {c.wall_s:6.1f} s  (other processes: {c.other_cpu_s} CPU-s)", flush=True)
+
+
+def _ratios(rounds: list[list[Cell]]) -> list[dict]:
+    """Per (model, shape, threads, batch): medians of each engine's out tok/s and of the rounds' ratios."""
+    keyed: dict[tuple, dict[str, list[float]]] = {}
+    for cells in rounds:
+        by_key = {(c.model, c.shape, c.threads, c.batch, c.engine): c for c in cells}
+        for (model, shape, threads, batch, engine), c in by_key.items():
+            entry = keyed.setdefault((model, shape, threads, batch), {"tokenmill": [], "llama.cpp": [], "ratio": []})
+            entry[engine].append(c.out_tok_s)
+            if engine == "tokenmill":
+                entry["ratio"].append(c.out_tok_s / by_key[(model, shape, threads, batch, "llama.cpp")].out_tok_s)
+    return [{"model": k[0], "shape": k[1], "threads": k[2], "batch": k[3],
+             **{name: round(statistics.median(v), 2) for name, v in values.items()}, "rounds": len(values["ratio"])}
+            for k, values in keyed.items()]
+
+
+def _print_table(table: list[dict], ppl: dict) -> None:
+    print("\nout tok/s end to end, medians of the rounds (ratio: median of the rounds' tokenmill / llama.cpp)")
+    print(f"{'model':12s} {'shape':9s} {'thr':>3s} {'batch':>5s} {'tokenmill':>9s} {'llama.cpp':>9s} {'ratio':>6s}")
+    for row in table:
+        print(f"{row['model']:12s} {row['shape']:9s} {row['threads']:3d} {row['batch']:5d} {row['tokenmill']:9.1f} "
+              f"{row['llama.cpp']:9.1f} {row['ratio']:5.2f}x")
+    for model, p in ppl.items():
+        print(f"perplexity {model}: tokenmill {p['tokenmill']} vs llama.cpp {p['llama.cpp']} ({p['change']}), "
+              f"{PERPLEXITY_WINDOWS} windows of {PERPLEXITY_WINDOW} of {CORPUS.name}")
+
+
+def plot(table: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["model"], r["shape"], r["threads"]) for r in table})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.6), squeeze=False)
+    for ax, (model, shape, threads) in zip(axes[0], groups, strict=True):
+        rows = sorted((r for r in table if (r["model"], r["shape"], r["threads"]) == (model, shape, threads)),
+                      key=lambda r: r["batch"])
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [r["tokenmill"] for r in rows], 0.4, label="tokenmill")
+        ax.bar([x + 0.2 for x in xs], [r["llama.cpp"] for r in rows], 0.4, label="llama.cpp")
+        for x, r in zip(xs, rows, strict=True):
+            ax.annotate(f"{r['ratio']:.2f}x", (x, max(r["tokenmill"], r["llama.cpp"])), ha="center", va="bottom")
+        ax.set_xticks(list(xs), [f"B{r['batch']}" for r in rows])
+        ax.set_title(f"{model} {shape} ({threads} threads)", fontsize=9)
+        ax.set_ylabel("output tok/s, end to end")
+        ax.margins(y=0.15)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="smollm2,gemma3-270m", type=lambda s: s.split(","))
+    parser.add_argument("--shapes", default="256x64,2048x512", type=lambda s: s.split(","))
+    parser.add_argument("--batches", default="1,8,32,64", type=lambda s: [int(b) for b in s.split(",")])
+    parser.add_argument("--threads", default=str(torch.get_num_threads()),
+                        type=lambda s: [int(t) for t in s.split(",")])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--perplexity", action="store_true", help="also each model's perplexity, both engines")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--plot", type=Path, help="draw the table here (PNG)")
+    args = parser.parse_args()
+    for tool in ("llama-batched-bench", "llama-perplexity"):
+        if not (BIN / tool).is_file():
+            raise SystemExit(f"{BIN / tool}: not built; run `bash benchmarks/setup_llamacpp.sh` first")
+    results = run(args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
+    if args.plot:
+        plot(results["table"], args.plot)
+
+
+if __name__ == "__main__":
+    main()
