@@ -198,6 +198,16 @@ static inline __attribute__((always_inline)) __m256i chain_sum(const __m256i *ch
     return total;
 }
 
+/* A VNNI tile's R × G accumulators into y, group by group (store_tile's bias and accumulate). */
+static inline __attribute__((always_inline)) void store_groups(
+    __m256 acc[ROW_TILE][GROUP_TILE], const float *bias, float *y, int N, int accumulate, const int R, const int G) {
+    for (int g = 0; g < G; g++) {
+        __m256 out[ROW_TILE];
+        for (int r = 0; r < R; r++) out[r] = acc[r][g];
+        store_tile(out, bias ? bias + 8 * g : 0, y + 8 * g, N, accumulate, R);
+    }
+}
+
 /* R rows × G 8-column groups of 4-bit weights (VNNI). Groups are `gw` bytes and `gv` block values
  * apart. */
 static inline __attribute__((always_inline)) void q4_tile_vnni(
@@ -240,11 +250,7 @@ static inline __attribute__((always_inline)) void q4_tile_vnni(
             }
         }
     }
-    for (int g = 0; g < G; g++) {
-        __m256 out[ROW_TILE];
-        for (int r = 0; r < R; r++) out[r] = acc[r][g];
-        store_tile(out, bias ? bias + 8 * g : 0, y + 8 * g, N, accumulate, R);
-    }
+    store_groups(acc, bias, y, N, accumulate, R, G);
 }
 
 /* R rows × G 8-column groups of 8-bit weights (VNNI): w + 128 against x, less 128 · Σ x_q. */
@@ -282,11 +288,7 @@ static inline __attribute__((always_inline)) void q8_tile_vnni(
             }
         }
     }
-    for (int g = 0; g < G; g++) {
-        __m256 out[ROW_TILE];
-        for (int r = 0; r < R; r++) out[r] = acc[r][g];
-        store_tile(out, bias ? bias + 8 * g : 0, y + 8 * g, N, accumulate, R);
-    }
+    store_groups(acc, bias, y, N, accumulate, R, G);
 }
 
 /* The VNNI tile for `rows` rows (at most ROW_TILE) and `G` groups, R and the scale width known at
