@@ -162,9 +162,9 @@ def tiny_model(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:  # ty
     return folder, model
 
 
-# The C kernels (paged decode attention, small-batch linears), or PyTorch ops only.
-KERNELS = {"kernels": {"decode_attention": "kernel", "small_batch_linear": "kernel"},
-           "torch": {"decode_attention": "sdpa", "small_batch_linear": "off"}}
+# The C kernels (paged decode and prefill attention, small-batch linears), or PyTorch ops only.
+KERNELS = {"kernels": {"decode_attention": "kernel", "prefill_attention": "kernel", "small_batch_linear": "kernel"},
+           "torch": {"decode_attention": "sdpa", "prefill_attention": "sdpa", "small_batch_linear": "off"}}
 
 
 @pytest.mark.slow
@@ -330,16 +330,20 @@ def test_gemma3_270m_gguf_matches_transformers(gemma3_gguf_path: Path, gemma3_re
     assert_matches_reference(out.token_ids, ref(out.prompt_token_ids, MAX_NEW))
 
 
-def test_prefill_attended_in_query_chunks_matches_transformers(tiny_model, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Prefill queries attended 4 at a time, each chunk against only the keys its mask can let in
-    (the sliding windows of 8–24 tokens are outgrown by the 50-token prompt), in a batch of mixed
-    lengths (padded query rows) and under chunked prefill."""
+@pytest.mark.parametrize("padding_waste", [0.0, float("inf")])
+def test_prefill_attended_in_query_chunks_matches_transformers(tiny_model, monkeypatch, padding_waste) -> None:  # type: ignore[no-untyped-def]
+    """The SDPA prefill path (where the C kernel does not run): queries attended 4 at a time, each
+    chunk against only the keys its mask can let in (the sliding windows of 8–24 tokens are
+    outgrown by the 50-token prompt), in a batch of mixed lengths and under chunked prefill; every
+    prompt span in a group of its own, or all in one padded group (padded query rows)."""
+    from tokenmill.engine import model_runner
     from tokenmill.models import decoder
 
     monkeypatch.setattr(decoder, "QUERY_CHUNK", 4)
+    monkeypatch.setattr(model_runner, "MAX_PADDING_WASTE", padding_waste)
     folder, model = tiny_model
     weights, ref = load_weights(str(folder)), ReferenceCache(model)
     mixed = _prompts(512, [1, 5, 17, 33, 8, 50])
-    _check(LLM(weights=weights, block_size=4, max_num_seqs=8), ref, mixed, "query chunks, mixed batch")
-    _check(LLM(weights=weights, block_size=4, max_num_seqs=8, max_num_batched_tokens=13), ref, mixed,
-           "query chunks, chunked prefill")
+    sdpa = {"prefill_attention": "sdpa", "block_size": 4, "max_num_seqs": 8}
+    _check(LLM(weights=weights, **sdpa), ref, mixed, "query chunks, mixed batch")
+    _check(LLM(weights=weights, max_num_batched_tokens=13, **sdpa), ref, mixed, "query chunks, chunked prefill")

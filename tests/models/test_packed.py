@@ -104,9 +104,10 @@ def test_insisting_on_a_kernel_that_cannot_run_names_the_setting(
 ) -> None:
     weights = load_weights(str(tiny_llama))
     monkeypatch.setattr(kernels, "supports", lambda device, dtype: False)  # no compiler, say
-    for setting, fallback in (("small_batch_linear", "off"), ("decode_attention", "sdpa")):
+    settings = (("small_batch_linear", "off"), ("decode_attention", "sdpa"), ("prefill_attention", "sdpa"))
+    for setting, fallback in settings:
         with pytest.raises(ValueError, match=f"EngineConfig.{setting}='kernel' needs a CPU.*'{fallback}'"):
             LLM(weights=weights, num_kv_blocks=8, **{setting: "kernel"})
     llm = LLM(weights=weights, num_kv_blocks=8)  # "auto" falls back to PyTorch ops
-    assert not _uses_kernel(llm) and not llm.engine.runner.paged_kernel
+    assert not (_uses_kernel(llm) or llm.engine.runner.paged_kernel or llm.engine.runner.prefill_kernel)
     tiny_reference.check(PROMPT, _greedy(llm), "PyTorch-ops fallback")  # transformers' greedy tokens

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 # flags generated from this class cost no torch import.
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority", "length")
-DECODE_ATTENTION = ("auto", "kernel", "sdpa")
+ATTENTION_KERNEL = ("auto", "kernel", "sdpa")
 SMALL_BATCH_LINEAR = ("auto", "kernel", "off")
 
 
@@ -69,7 +69,11 @@ class EngineConfig:
     pack_weights: bool = _setting(True, "CPU: pre-pack linear weights for oneDNN (much faster small GEMMs)")
     decode_attention: str = _setting(
         "auto", "kernel: decodes read the paged cache in place with a C kernel (CPU fp32, compiled on first "
-        "use); sdpa: gather blocks + PyTorch SDPA; auto: the kernel where it builds", DECODE_ATTENTION)
+        "use); sdpa: gather blocks + PyTorch SDPA; auto: the kernel where it builds", ATTENTION_KERNEL)
+    prefill_attention: str = _setting(
+        "auto", "kernel: prompt tokens attend straight from the paged cache with a C kernel that visits only the "
+        "keys each query's causal (and sliding-window) bounds reach (CPU fp32, compiled on first use); sdpa: "
+        "gather blocks + PyTorch SDPA with a mask; auto: the kernel where it builds", ATTENTION_KERNEL)
     small_batch_linear: str = _setting(
         "auto", "kernel: steps of up to 16 tokens stream the weights with a C kernel (CPU fp32, 1.3-1.7x "
         "oneDNN) at the cost of a second copy of them; off: oneDNN at every size; auto: the kernel where "

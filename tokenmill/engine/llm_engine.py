@@ -75,6 +75,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, num_blocks, config.block_size, self.eos_token_ids, self.device,
             paged_kernel=self._kernel_wanted("decode_attention", fallback="sdpa"),
+            prefill_kernel=self._kernel_wanted("prefill_attention", fallback="sdpa"),
         )
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
         self._ids = itertools.count()

@@ -32,7 +32,9 @@ def perplexity(engine: LLMEngine, text: str, window: int = 512, max_windows: int
     if not starts:
         raise ValueError(f"the text has {len(ids)} tokens: fewer than one window of {window}")
     bs = engine.config.block_size
-    runner = ModelRunner(engine.runner.model, -(-window // bs), bs, engine.eos_token_ids, engine.device)
+    # Scored with the attention kernel the engine runs prompts with: the figure is the engine's.
+    runner = ModelRunner(engine.runner.model, -(-window // bs), bs, engine.eos_token_ids, engine.device,
+                         prefill_kernel=engine.runner.prefill_kernel)
     nll, scored = 0.0, 0
     for start in starts:
         tokens = ids[start : start + window]

@@ -3,7 +3,7 @@
 ModelRunner (engine/model_runner.py) turns a scheduled batch into an AttentionMetadata: the cache
 slot of every new token's K/V (slot_mapping) and the requests grouped to be attended together
 (AttentionGroup: which rows of the flat token batch are each request's queries, its block table and
-context length, and the causal / sliding-window mask, or none for decodes the paged kernel attends).
+context length, and the causal / sliding-window mask, or none where a C kernel attends them).
 CausalLM (decoder.py) writes K/V to those slots, attends each group over its gathered context, and
 adds to each group, per step, its mask narrowed to the layer windows the mask does not carry
 (narrow_to_window: Gemma 3's sliding layers).
@@ -25,10 +25,11 @@ class AttentionGroup:
     context_blocks: torch.Tensor  # [G, NB] block tables (padding: the zeroed null block)
     context_lens: torch.Tensor  # [G] keys at positions < len are context
     # [G, 1, group*Lq, NB*block_size] bool, repeated for the query-head group: causal, within
-    # the context and ModelConfig.sliding_window. None when the group is decodes attended by
-    # the paged kernel, which reads context_lens instead.
+    # the context and ModelConfig.sliding_window. None when a C kernel attends the group (decodes,
+    # or prompt spans), reading context_lens and num_new instead.
     mask: torch.Tensor | None
     output_rows: torch.Tensor  # query_index[query_valid]
+    num_new: torch.Tensor  # [G] each request's queries (valid entries of its query_index row)
     covers_batch: bool = False  # the group is every row of the batch, in order (pure decode)
     # `mask` narrowed to each layer window it does not carry (Gemma 3's sliding layers), keyed by
     # window; filled by CausalLM.forward (decoder.py).

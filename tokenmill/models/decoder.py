@@ -3,9 +3,11 @@ in config.SUPPORTED_ARCHITECTURES: Llama (and SmolLM), Mistral, Qwen2, Qwen3, Ph
 the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE (experts from moe.py).
 
 Read top to bottom: the step's tokens arrive flattened (no batch padding in the linear
-layers); each layer writes its new K/V into cache slots, then attends per request group over
-K/V gathered from the cache by block table (attention_metadata.py: what the runner builds for a
-step). Parameter names match Hugging Face's, so a safetensors checkpoint loads as is.
+layers); each layer writes its new K/V into cache slots, then attends per request group
+(attention_metadata.py: what the runner builds for a step): decodes and prompt spans with C
+kernels that read the paged cache in place (paged_attention.py), or, where those do not run, over
+K/V gathered from the cache by block table, with SDPA and a mask. Parameter names match Hugging
+Face's, so a safetensors checkpoint loads as is.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tokenmill.models.attention_metadata import AttentionGroup, AttentionMetadat
 from tokenmill.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from tokenmill.models.decode_stack import DecodeStack
 from tokenmill.models.moe import SparseMoE
-from tokenmill.models.paged_attention import paged_decode_attention
+from tokenmill.models.paged_attention import paged_decode_attention, paged_prefill_attention
 from tokenmill.models.quant import Quantized, Weight, concatenate, quantize
 
 # Prefill queries attended at a time (Attention._attend_in_chunks): smaller leaves out more of the
@@ -151,7 +153,11 @@ class Attention(nn.Module):
             return self.o_proj(self._attend(q, k_cache, v_cache, meta.groups[0]).reshape(tokens, -1))
         out = torch.empty_like(q)
         for g in meta.groups:
-            out[g.output_rows] = self._attend(q, k_cache, v_cache, g)
+            if g.mask is None and g.query_index.shape[1] > 1:  # prompt spans, for the C kernel
+                paged_prefill_attention(q, out, k_cache, v_cache, g.query_index[:, 0], g.num_new, g.context_lens,
+                                        g.context_blocks, self.sliding_window)
+            else:
+                out[g.output_rows] = self._attend(q, k_cache, v_cache, g)
         return self.o_proj(out.view(tokens, -1))
 
     def _attend(

@@ -32,6 +32,7 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "paged_decode_attention": [_P] * 6 + [_I] * 6 + [_F, _I64, _I],
+    "paged_prefill_attention": [_P, _I64, _P, _I64] + [_P] * 6 + [_I] * 6 + [_F, _I64, _I],
     "small_gemm": [_P] * 4 + [_I] * 4,
     "apply_token_bitmask": [_P, _P, _I, _I, _I],
     "quant_linear": [_I, _I] + [_P] * 6 + [_I] * 4,

@@ -1,8 +1,8 @@
-"""Decode attention read straight from the paged KV cache (CPU, fp32), via a small C kernel.
-
-The kernel is csrc/paged_attention.c (built by tokenmill.models.kernels). Where it does not
-build, or the device/dtype is not CPU fp32, the model falls back to gathering blocks and calling
-SDPA: the same result, about twice the memory traffic.
+"""Attention read straight from the paged KV cache (CPU, fp32), via small C kernels: decodes
+(csrc/paged_attention.c) and prefill spans (csrc/prefill_attention.c), built by
+tokenmill.models.kernels. Where they do not build, or the device/dtype is not CPU fp32, the model
+falls back to gathering blocks and calling SDPA with a mask: the same result, with more memory
+traffic (decode) and, for prefill, the masked-out work done as well.
 """
 
 from __future__ import annotations
@@ -10,6 +10,10 @@ from __future__ import annotations
 import torch
 
 from tokenmill.models import kernels
+
+# The prefill kernel's tile holds ROWS = 32 query-head rows (csrc/prefill_attention.c): every query
+# head of a KV head's group for at least one query.
+MAX_PREFILL_QUERY_GROUP = 32
 
 
 def paged_decode_attention(
@@ -38,3 +42,35 @@ def paged_decode_attention(
             f"head_dim {head_dim} not a multiple of 8 up to 256, or out of memory"
         )
     return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [T, heads, D]: the step's queries (rows of several requests; a view is fine)
+    out: torch.Tensor,  # [T, heads, D] (heads contiguous): the requests' rows are written, others left
+    k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, D]
+    v_cache: torch.Tensor,
+    first_rows: torch.Tensor,  # [R] int64: each request's first row in q
+    num_new: torch.Tensor,  # [R] int64: its rows (its context's last tokens)
+    context_lens: torch.Tensor,  # [R] int64
+    block_tables: torch.Tensor,  # [R, max_blocks] int64
+    sliding_window: int | None = None,
+) -> None:
+    """Each request's new tokens attend causally (within the window) to its context."""
+    lib = kernels.library()
+    assert lib is not None, "the CPU kernels did not build (check kernels.supports() first)"
+    _, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.dtype == k_cache.dtype == torch.float32
+    tables, rows, new, lens = (t.contiguous() for t in (block_tables, first_rows, num_new, context_lens))
+    status = lib.paged_prefill_attention(
+        q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        rows.data_ptr(), new.data_ptr(), lens.data_ptr(), tables.data_ptr(), len(rows), tables.shape[1], kv_heads,
+        heads // kv_heads, head_dim, block_size, head_dim**-0.5, sliding_window or 0, torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(
+            "prefill-attention kernel failed: a context shorter than its new tokens or longer than its block "
+            f"table, a query-head group over {MAX_PREFILL_QUERY_GROUP}, head_dim {head_dim} not a multiple of 8, "
+            "or out of memory"
+        )

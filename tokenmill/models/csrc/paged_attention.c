@@ -6,6 +6,10 @@
  * K and V row is read from memory once per (sequence, KV head); the query heads that share the
  * KV head (GQA) re-read it from cache.
  *
+ * Few sequences (batch 1-2) leave threads idle: Gemma 3 270M has one KV head, so one thread
+ * attended a whole 2,048-token context alone. Then each context is split into parts attended as
+ * tasks of their own and merged by their scores' maxima and totals (split_context, combine_parts).
+ *
  * Layouts (all contiguous, fp32):
  *   q, out           [num_seqs, num_kv_heads * group, head_dim] (the team body takes row strides)
  *   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]
@@ -19,6 +23,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include <omp.h>
 
 #include "team.h"
 #include "vec8.h"
@@ -51,12 +57,23 @@ static inline int64_t block_end(const Context *c, int64_t pos) {
     return end < c->len ? end : c->len;
 }
 
-/* One query head over the context: scores, softmax, weighted sum of V. D is a multiple of 8;
- * with a compile-time D (the specialisations below) the query and the output live in registers. */
-static inline void attend_head(const Context *c, const float *q, int D, float scale,
-                               float *scores, float *out) {
+/* A query head's attention over part of its context, before the division by the weights' total:
+ * parts of one context are combined by their top scores and totals (combine_parts). */
+typedef struct {
+    float max, total;
+} Partial;
+
+/* One query head over positions [c->start, c->len): scores, softmax, weighted sum of V into out,
+ * divided by the weights' total when `normalise`. D is a multiple of 8; with a compile-time D
+ * (the specialisations below) the query and the output live in registers. */
+static inline Partial attend_head(const Context *c, const float *q, int D, float scale, float *scores,
+                                  float *out, int normalise) {
     vec8 qv[32], acc[32];  /* head_dim <= 256 */
     const int n8 = D / 8;
+    if (c->len <= c->start) {  /* an empty part of a split context */
+        for (int i = 0; i < n8; i++) *(vec8u *)(out + 8 * i) = (vec8){0};
+        return (Partial){-INFINITY, 0.f};
+    }
     for (int i = 0; i < n8; i++) qv[i] = LOAD(q + 8 * i);
     vec8 max8 = (vec8){0} - INFINITY;
     float max_score = -INFINITY;
@@ -100,40 +117,109 @@ static inline void attend_head(const Context *c, const float *q, int D, float sc
             for (int i = 0; i < n8; i++) acc[i] += w * LOAD(v + 8 * i);
         }
     }
-    const float inv = 1.0f / total;
+    const float inv = normalise ? 1.0f / total : 1.0f;
     for (int i = 0; i < n8; i++) *(vec8u *)(out + 8 * i) = acc[i] * inv;
+    return (Partial){max_score, total};
 }
 
-static void attend_64(const Context *c, const float *q, float scale, float *s, float *o) {
-    attend_head(c, q, 64, scale, s, o);
+static Partial attend_64(const Context *c, const float *q, float scale, float *s, float *o, int normalise) {
+    return attend_head(c, q, 64, scale, s, o, normalise);
 }
-static void attend_128(const Context *c, const float *q, float scale, float *s, float *o) {
-    attend_head(c, q, 128, scale, s, o);
+static Partial attend_128(const Context *c, const float *q, float scale, float *s, float *o, int normalise) {
+    return attend_head(c, q, 128, scale, s, o, normalise);
 }
-static void attend_any(const Context *c, const float *q, int D, float scale, float *s, float *o) {
-    attend_head(c, q, D, scale, s, o);
+static Partial attend_any(const Context *c, const float *q, int D, float scale, float *s, float *o,
+                          int normalise) {
+    return attend_head(c, q, D, scale, s, o, normalise);
 }
 
-/* The team's share of (sequence, KV head) items, each a task: its query heads run back to back
- * while the K/V rows they share are still in cache. */
+static Partial attend(const Context *c, const float *q, int D, float scale, float *s, float *o, int normalise) {
+    if (D == 64) return attend_64(c, q, scale, s, o, normalise);
+    if (D == 128) return attend_128(c, q, scale, s, o, normalise);
+    return attend_any(c, q, D, scale, s, o, normalise);
+}
+
+/* Positions [start, len) of a sequence's context: the last `window` when there is one. */
+static inline int64_t context_start(int64_t len, int64_t window) {
+    return (window > 0 && len > window) ? len - window : 0;
+}
+
+/* A context split in parts of at least this many keys: shorter ones cost more in combining and
+ * scheduling than they gain in balance. */
+enum { MIN_PART_KEYS = 256, TASKS_PER_THREAD = 4 };
+
+/* Parts each (sequence, KV head) item's context is split into, and their length in keys (a whole
+ * number of blocks): 1 when the items alone keep every thread busy (a batch), more when they are
+ * too few (batch 1: Gemma 3 has one KV head, SmolLM2 three, for two or more threads). */
+static int split_context(const int64_t *context_lens, int num_seqs, int num_kv_heads, int block_size,
+                         int64_t window, int64_t *part_keys) {
+    const int64_t items = (int64_t)num_seqs * num_kv_heads, wanted = (int64_t)TASKS_PER_THREAD * omp_get_num_threads();
+    int64_t longest = 0;
+    for (int s = 0; s < num_seqs && items < wanted; s++) {
+        const int64_t n = context_lens[s] - context_start(context_lens[s], window);
+        longest = n > longest ? n : longest;
+    }
+    int64_t parts = items < wanted ? (wanted + items - 1) / items : 1;
+    const int64_t most = longest / MIN_PART_KEYS;
+    parts = parts < most ? parts : (most > 1 ? most : 1);
+    const int64_t keys = (longest + parts - 1) / parts;
+    *part_keys = (keys + block_size - 1) / block_size * block_size;
+    return parts > 1 ? (int)((longest + *part_keys - 1) / *part_keys) : 1;
+}
+
+/* The parts of one query head's context, each written by attend(normalise = 0) as D floats of
+ * weighted V followed by its Partial, merged into out. */
+static void combine_parts(const float *parts_out, int parts, int D, float *out) {
+    const int64_t stride = D + 2;
+    float top = -INFINITY, total = 0.f;
+    for (int p = 0; p < parts; p++) top = parts_out[p * stride + D] > top ? parts_out[p * stride + D] : top;
+    for (int i = 0; i < D; i++) out[i] = 0.f;
+    for (int p = 0; p < parts; p++) {
+        const float *part = parts_out + p * stride;
+        if (part[D + 1] == 0.f) continue;  /* empty: beyond this sequence's context */
+        const float w = expf(part[D] - top);
+        total += w * part[D + 1];
+        for (int i = 0; i < D; i++) out[i] += w * part[i];
+    }
+    const float inv = 1.0f / total;
+    for (int i = 0; i < D; i++) out[i] *= inv;
+}
+
+/* The team's share of (sequence, KV head, part of its context) tasks: each task's query heads run
+ * back to back while the K/V rows they share are still in cache. Split contexts go through a
+ * buffer shared by the team, merged once every part is done. */
 void paged_attention_team(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                           const int64_t *block_tables, const int64_t *context_lens, float *out,
                           int64_t out_stride, int num_seqs, int num_kv_heads, int group, int head_dim,
                           int block_size, int max_blocks, float scale, int64_t window, int *failed) {
+    int64_t part_keys = 0;
+    const int parts = split_context(context_lens, num_seqs, num_kv_heads, block_size, window, &part_keys);
+    const int64_t items = (int64_t)num_seqs * num_kv_heads, part_stride = head_dim + 2;
+    float *part_results = NULL;
+    if (parts > 1) {
+#pragma omp single copyprivate(part_results)
+        part_results = (float *)malloc(sizeof(float) * items * parts * group * part_stride);
+        if (part_results == NULL) {
+#pragma omp atomic write
+            *failed = 1;
+            return;  /* every thread sees the same NULL: none waits at a barrier the others skip */
+        }
+    }
     float *scores = NULL;
     int64_t capacity = 0;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < (int64_t)num_seqs * num_kv_heads; item++) {
-        const int64_t seq = item / num_kv_heads;
-        const int kv_head = (int)(item % num_kv_heads);
-        const int64_t len = context_lens[seq];
-        const int64_t start = (window > 0 && len > window) ? len - window : 0;
-        if (len - start > capacity) {
+    for (int64_t task = 0; task < items * parts; task++) {
+        const int64_t item = task / parts, seq = item / num_kv_heads;
+        const int kv_head = (int)(item % num_kv_heads), part = (int)(task % parts);
+        const int64_t len = context_lens[seq], start = context_start(len, window);
+        const int64_t first = parts > 1 ? start + part * part_keys : start;
+        const int64_t last = parts > 1 && first + part_keys < len ? first + part_keys : len;
+        if (last - first > capacity) {
             free(scores);
-            capacity = len - start;
+            capacity = last - first;
             scores = (float *)malloc(sizeof(float) * capacity);
         }
-        if (scores == NULL || len <= 0 || len > (int64_t)max_blocks * block_size) {
+        if ((scores == NULL && last > first) || len <= 0 || len > (int64_t)max_blocks * block_size) {
 #pragma omp atomic write
             *failed = 1;
             capacity = 0;
@@ -142,18 +228,30 @@ void paged_attention_team(const float *q, int64_t q_stride, const float *k_cache
         const Context c = {
             k_cache + (int64_t)kv_head * head_dim, v_cache + (int64_t)kv_head * head_dim,
             block_tables + seq * max_blocks, (int64_t)num_kv_heads * head_dim,
-            (int64_t)block_size * num_kv_heads * head_dim, start, len, block_size,
+            (int64_t)block_size * num_kv_heads * head_dim, first, last, block_size,
         };
         for (int g = 0; g < group; g++) {
             const int64_t head = (int64_t)(kv_head * group + g) * head_dim;
             const float *qh = q + seq * q_stride + head;
-            float *oh = out + seq * out_stride + head;
-            if (head_dim == 64) attend_64(&c, qh, scale, scores, oh);
-            else if (head_dim == 128) attend_128(&c, qh, scale, scores, oh);
-            else attend_any(&c, qh, head_dim, scale, scores, oh);
+            if (parts == 1) {
+                attend(&c, qh, head_dim, scale, scores, out + seq * out_stride + head, 1);
+                continue;
+            }
+            float *slot = part_results + ((item * group + g) * parts + part) * part_stride;
+            const Partial r = attend(&c, qh, head_dim, scale, scores, slot, 0);
+            slot[head_dim] = r.max;
+            slot[head_dim + 1] = r.total;
         }
     }
     free(scores);
+    if (parts == 1) return;
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < items * group; h++) {
+        const int64_t seq = h / (num_kv_heads * group), head = h % (num_kv_heads * group);
+        combine_parts(part_results + h * parts * part_stride, parts, head_dim, out + seq * out_stride + head * head_dim);
+    }
+#pragma omp single nowait
+    free(part_results);
 }
 
 /* Returns 0 on success; -1 for an empty context, one longer than its block table, a head_dim
