@@ -63,7 +63,7 @@ static void row_positions(vec8 *pos, int64_t first_pos, int queries, int group) 
 }
 
 /* Scores of the KEY_STEP keys k at positions key.. for the tile's rows, masked to -inf outside
- * each row's [pos - window, pos]. qt is [D][ROWS]. */
+ * each row's (pos - window, pos]. qt is [D][ROWS]. */
 static inline void scores(const float *const k[KEY_STEP], const float *qt, int D, int64_t key, int keys,
                           const vec8 *pos, int64_t window, vec8 s[KEY_STEP][VECS]) {
     for (int j = 0; j < KEY_STEP; j++)
