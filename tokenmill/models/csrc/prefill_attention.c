@@ -127,11 +127,16 @@ static void attend_tile(const Cache *c, const float *qt, float *ot, int D, int64
         for (int v = 0; v < VECS; v++) ((vec8 *)(ot + (int64_t)d * ROWS))[v] *= total[v];
 }
 
+/* A request's tasks: a tile of queries for each KV head. */
+static inline int64_t request_tasks(int64_t num_new, int queries_per_tile, int num_kv_heads) {
+    return num_kv_heads * ((num_new + queries_per_tile - 1) / queries_per_tile);
+}
+
 /* Returns 0, or -1 for a group too large for a tile, a request whose context is shorter than its
  * new tokens or longer than its block table, or a failed scratch allocation. */
 int paged_prefill_attention(const float *q, int64_t q_stride, float *out, int64_t out_stride,
-                            const float *k_cache,
-                            const float *v_cache, const int64_t *first_rows, const int64_t *num_new,
+                            const float *k_cache, const float *v_cache, const int64_t *first_rows,
+                            const int64_t *num_new,
                             const int64_t *context_lens, const int64_t *block_tables, int num_requests,
                             int max_blocks, int num_kv_heads, int group, int head_dim, int block_size,
                             float scale, int64_t window, int num_threads) {
@@ -141,7 +146,7 @@ int paged_prefill_attention(const float *q, int64_t q_stride, float *out, int64_
             return -1;
     const int queries_per_tile = ROWS / group;
     int64_t tasks = 0;
-    for (int i = 0; i < num_requests; i++) tasks += num_kv_heads * ((num_new[i] + queries_per_tile - 1) / queries_per_tile);
+    for (int i = 0; i < num_requests; i++) tasks += request_tasks(num_new[i], queries_per_tile, num_kv_heads);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -157,7 +162,7 @@ int paged_prefill_attention(const float *q, int64_t q_stride, float *out, int64_
             int i = 0;
             int64_t t = task, tiles = 0;
             for (;; i++) {
-                tiles = num_kv_heads * ((num_new[i] + queries_per_tile - 1) / queries_per_tile);
+                tiles = request_tasks(num_new[i], queries_per_tile, num_kv_heads);
                 if (t < tiles) break;
                 t -= tiles;
             }
@@ -172,7 +177,8 @@ int paged_prefill_attention(const float *q, int64_t q_stride, float *out, int64_
             float *ot = qt + (size_t)head_dim * ROWS;
             for (int r = 0; r < ROWS; r++) {
                 const int qi = r / group;
-                const float *src = q + (first_rows[i] + q0 + qi) * q_stride + (int64_t)(kv_head * group + r % group) * head_dim;
+                const int64_t head = (int64_t)(kv_head * group + r % group) * head_dim;
+                const float *src = q + (first_rows[i] + q0 + qi) * q_stride + head;
                 for (int d = 0; d < head_dim; d++) qt[(int64_t)d * ROWS + r] = qi < queries ? src[d] * scale : 0.f;
             }
             vec8 pos[VECS];
@@ -180,7 +186,8 @@ int paged_prefill_attention(const float *q, int64_t q_stride, float *out, int64_
             const int64_t lo = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
             attend_tile(&c, qt, ot, head_dim, lo, last_pos + 1, pos, window);
             for (int r = 0; r < queries * group; r++) {
-                float *dst = out + (first_rows[i] + q0 + r / group) * out_stride + (int64_t)(kv_head * group + r % group) * head_dim;
+                const int64_t head = (int64_t)(kv_head * group + r % group) * head_dim;
+                float *dst = out + (first_rows[i] + q0 + r / group) * out_stride + head;
                 for (int d = 0; d < head_dim; d++) dst[d] = ot[(int64_t)d * ROWS + r];
             }
         }
