@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build llama.cpp's benchmark tools from the llama-cpp-python sdist's vendored tree, for
-# benchmarks/quant_vs_llamacpp.py. Not part of CI: about 15 minutes on a quiet 2-core machine.
+# benchmarks/vs_llamacpp.py. Not part of CI: about 15 minutes on a quiet 2-core machine.
 #   bash benchmarks/setup_llamacpp.sh [BUILD_DIR]   (default build/llamacpp)
 set -euo pipefail
 VERSION=0.3.36
@@ -16,5 +16,5 @@ if [ ! -d "$DIR/src" ]; then
 fi
 cd "$DIR/src/vendor/llama.cpp"
 cmake -B build -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON >/dev/null
-cmake --build build -j2 --target llama-bench llama-batched-bench llama-perplexity
-ls -la build/bin/llama-bench build/bin/llama-batched-bench build/bin/llama-perplexity
+cmake --build build -j2 --target llama-bench llama-batched-bench llama-perplexity llama-tokenize
+ls -la build/bin/llama-bench build/bin/llama-batched-bench build/bin/llama-perplexity build/bin/llama-tokenize

@@ -16,6 +16,9 @@ from tokenmill.models.loader import LoadedWeights, load_weights
 MAX_NEW = 10
 TOP = 3
 ATOL = 1e-3  # fp32 noise between two implementations is ~1e-5 on these logits
+# An fp32 KV cache: these tests are about the logprobs' bookkeeping (the fp16 cache's ~1e-3 moves
+# of these logits are bounded in tests/models/test_equivalence.py).
+FP32_KV = {"kv_cache_dtype": "float32"}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,7 @@ def test_greedy_logprobs_equal_transformers_and_only_requests_that_ask_get_them(
     tiny_llama: tuple[LoadedWeights, torch.nn.Module],
 ) -> None:
     weights, model = tiny_llama
-    llm = LLM(weights=weights, block_size=4, max_num_seqs=8)
+    llm = LLM(weights=weights, block_size=4, max_num_seqs=8, **FP32_KV)
     prompts = _prompts(512, [1, 5, 17, 33])
     asks = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, logprobs=TOP)
     plain = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
@@ -68,7 +71,7 @@ def test_greedy_logprobs_equal_transformers_and_only_requests_that_ask_get_them(
 def test_logprobs_survive_preemption_once_per_token(tiny_llama: tuple[LoadedWeights, torch.nn.Module]) -> None:
     """A preempted request recomputes the tokens it had: their logprobs are neither lost nor doubled."""
     weights, model = tiny_llama
-    llm = LLM(weights=weights, block_size=4, max_num_seqs=8, num_kv_blocks=12)  # 48 tokens: preempts
+    llm = LLM(weights=weights, block_size=4, max_num_seqs=8, num_kv_blocks=12, **FP32_KV)  # 48 tokens: preempts
     prompts = _prompts(512, [20, 18, 15, 22, 9], seed=3)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, logprobs=TOP)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, progress=False)

@@ -38,14 +38,15 @@ def _compare_every_decode_step(model: CausalLM) -> list[bool]:
 
 @needs_kernel
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "phi3", "qwen3", "gemma3"])
-@pytest.mark.parametrize("setting", ["q4", "q8"])
-def test_decode_stack_gives_the_layer_by_layer_logits_bitwise(arch: str, setting: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("setting", "kv"), [("q4", "float16"), ("q8", "float16"), ("q4", "float32")])
+def test_decode_stack_gives_the_layer_by_layer_logits_bitwise(arch: str, setting: str, kv: str, tmp_path: Path) -> None:
     """llama: tied embeddings, Llama-3 RoPE scaling; qwen2: q/k/v biases; mistral: a 24-token
     sliding window the prompts outgrow; phi3: half of each head rotated; qwen3: per-head q/k
     norms; gemma3: four norms scaling by 1 + w, a GELU gate, a query scalar, sliding layers on a
-    local RoPE table."""
+    local RoPE table. The stack writes fp16 K/V with the rounding torch's .half() has."""
     _tiny_model(arch).save_pretrained(tmp_path)
-    llm = LLM(weights=load_weights(str(tmp_path)), weight_format=setting, block_size=4, max_num_seqs=8)
+    llm = LLM(weights=load_weights(str(tmp_path)), weight_format=setting, kv_cache_dtype=kv, block_size=4,
+              max_num_seqs=8)
     equal = _compare_every_decode_step(llm.engine.runner.model)
     prompts = [{"prompt_token_ids": p} for p in _prompts(512, [1, 30, 17, 5, 40])]
     outputs = llm.generate(prompts, GREEDY, progress=False)

@@ -17,6 +17,9 @@ from tokenmill.models.loader import LoadedWeights, load_weights
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+# An fp32 KV cache, the reference's precision: a token that differs must be an fp32 near-tie. The
+# default fp16 cache has a test of its own (test_fp16_kv_cache_stays_within_its_rounding_on_every_cache_path).
+EXACT_KV = {"kv_cache_dtype": "float32"}
 
 
 def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -178,22 +181,46 @@ def test_tiny_models_match_transformers_on_every_cache_path(tiny_model, policy: 
 
     def make_llm(**overrides: int) -> LLM:
         settings = {"block_size": 4, "max_num_seqs": 8, "scheduling_policy": policy, **KERNELS[ops], **overrides}
-        return LLM(weights=weights, **settings)
+        return LLM(**EXACT_KV, weights=weights, **settings)
 
     _check_cache_paths(make_llm, ReferenceCache(model), vocab=512)
 
 
+# K and V rounded to fp16 (relative error <= 2^-11) move these tiny models' logits by ~1e-3: each token
+# the engine picks must be within FP16_TOLERANCE of the reference's best, ~1e-3 on average. A cache
+# read or written wrongly (a misplaced row, fp16 bits taken for fp32) puts tokens whole logits below.
+FP16_TOLERANCE, FP16_MEAN_SHORTFALL = 0.02, 2e-3
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("ops", KERNELS)
-def test_uninitialised_kv_memory_never_leaks_into_attention(tiny_model, ops: str) -> None:  # type: ignore[no-untyped-def]
+def test_fp16_kv_cache_stays_within_its_rounding_on_every_cache_path(tiny_model, ops: str) -> None:  # type: ignore[no-untyped-def]
+    folder, model = tiny_model
+    weights = load_weights(str(folder))
+    checker = TeacherForcedReference(model, FP16_TOLERANCE)
+
+    def make_llm(**overrides: int) -> LLM:
+        llm = LLM(weights=weights, kv_cache_dtype="float16", block_size=4, max_num_seqs=8, **KERNELS[ops], **overrides)
+        assert all(k.dtype == v.dtype == torch.float16 for k, v in llm.engine.runner.kv_caches)
+        return llm
+
+    _check_cache_paths(make_llm, checker, vocab=512)
+    checker.assert_mean_shortfall_within(FP16_MEAN_SHORTFALL)
+
+
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+@pytest.mark.parametrize("ops", KERNELS)
+def test_uninitialised_kv_memory_never_leaks_into_attention(tiny_model, ops: str, kv: str) -> None:  # type: ignore[no-untyped-def]
     """The cache is allocated uninitialised and whole blocks are gathered; poison it with NaN
     to stand for garbage and the output must still match the reference."""
     folder, model = tiny_model
-    llm = LLM(weights=load_weights(str(folder)), block_size=8, max_num_seqs=4, **KERNELS[ops])
+    llm = LLM(weights=load_weights(str(folder)), kv_cache_dtype=kv, block_size=8, max_num_seqs=4, **KERNELS[ops])
     for k, v in llm.engine.runner.kv_caches:
         k.fill_(float("nan"))
         v.fill_(float("nan"))
     prompts = _prompts(512, [3, 11, 21], seed=5)
-    _check(llm, ReferenceCache(model), prompts, "NaN-poisoned cache")
+    ref = ReferenceCache(model) if kv == "float32" else TeacherForcedReference(model, FP16_TOLERANCE)
+    _check(llm, ref, prompts, "NaN-poisoned cache")
 
 
 def test_gemma3_multimodal_checkpoint_runs_text_only() -> None:
@@ -205,7 +232,7 @@ def test_gemma3_multimodal_checkpoint_runs_text_only() -> None:
     state["model.vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(8, 3, 2, 2)
     weights = LoadedWeights("gemma3-multimodal", ModelConfig.from_hf(cfg), state, tokenizer=None)
     assert weights.config.model_type == "gemma3_text" and weights.config.eos_token_ids == [1, 106]
-    llm = LLM(weights=weights, block_size=4, max_num_seqs=4)
+    llm = LLM(**EXACT_KV, weights=weights, block_size=4, max_num_seqs=4)
     _check(llm, ReferenceCache(model), _prompts(512, [5, 30], seed=6), "multimodal Gemma 3, text only")
 
 
@@ -257,8 +284,8 @@ def test_phi3_longrope_uses_long_factors_when_the_context_passes_the_pretraining
     model.save_pretrained(tmp_path)
     weights, ref = load_weights(str(tmp_path)), ReferenceCache(model)
     assert weights.config.rotary_dim == 12
-    _check(LLM(weights=weights, block_size=4), ref, _prompts(512, [17, 40, 23], seed=7), "long factors")
-    short = LLM(weights=weights, block_size=4, max_model_len=16)
+    _check(LLM(**EXACT_KV, weights=weights, block_size=4), ref, _prompts(512, [17, 40, 23], seed=7), "long factors")
+    short = LLM(**EXACT_KV, weights=weights, block_size=4, max_model_len=16)
     outs = short.generate([{"prompt_token_ids": p} for p in _prompts(512, [4], seed=8)], GREEDY, progress=False)
     assert_matches_reference(outs[0].token_ids, ref(outs[0].prompt_token_ids, MAX_NEW), "short factors")
 
@@ -295,7 +322,7 @@ def test_smollm2_gguf_matches_transformers_on_every_cache_path(
     smollm_weights: LoadedWeights, smollm_reference: torch.nn.Module
 ) -> None:
     def make_llm(**overrides: int) -> LLM:
-        return LLM(weights=smollm_weights, **{"block_size": 4, "max_num_seqs": 8, **overrides})
+        return LLM(**EXACT_KV, weights=smollm_weights, **{"block_size": 4, "max_num_seqs": 8, **overrides})
 
     _check_cache_paths(make_llm, ReferenceCache(smollm_reference), vocab=49152)
 
@@ -304,7 +331,7 @@ def test_smollm2_gguf_matches_transformers_on_every_cache_path(
 def test_smollm2_text_prompts_match_transformers(
     smollm_weights: LoadedWeights, smollm_reference: torch.nn.Module
 ) -> None:
-    llm = LLM(weights=smollm_weights, max_num_seqs=4)
+    llm = LLM(**EXACT_KV, weights=smollm_weights, max_num_seqs=4)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
     outs = llm.generate(prompts, GREEDY, progress=False)
     ref = ReferenceCache(smollm_reference)
@@ -322,7 +349,7 @@ def test_gemma3_270m_gguf_matches_transformers(gemma3_gguf_path: Path, gemma3_re
     weights = load_weights(str(gemma3_gguf_path))
     assert weights.config.model_type == "gemma3_text" and None in weights.config.layer_windows
     ref, vocab = ReferenceCache(gemma3_reference), weights.config.vocab_size
-    llm = LLM(weights=weights, block_size=16, max_num_seqs=8, max_num_batched_tokens=64)
+    llm = LLM(**EXACT_KV, weights=weights, block_size=16, max_num_seqs=8, max_num_batched_tokens=64)
     _check(llm, ref, _prompts(vocab, [1, 17, 50]), "mixed batch, 64-token prefill chunks")
     window = max(w for w in weights.config.layer_windows if w is not None)
     _check(llm, ref, _prompts(vocab, [window + 40], seed=9), "longer than the sliding window")
@@ -344,6 +371,6 @@ def test_prefill_attended_in_query_chunks_matches_transformers(tiny_model, monke
     folder, model = tiny_model
     weights, ref = load_weights(str(folder)), ReferenceCache(model)
     mixed = _prompts(512, [1, 5, 17, 33, 8, 50])
-    sdpa = {"prefill_attention": "sdpa", "block_size": 4, "max_num_seqs": 8}
+    sdpa = {"prefill_attention": "sdpa", "block_size": 4, "max_num_seqs": 8, **EXACT_KV}
     _check(LLM(weights=weights, **sdpa), ref, mixed, "query chunks, mixed batch")
     _check(LLM(weights=weights, max_num_batched_tokens=13, **sdpa), ref, mixed, "query chunks, chunked prefill")

@@ -38,7 +38,7 @@ def test_the_embedded_gguf(gguf_path: Path) -> None:
     assert (info.layers, info.kv_heads, info.head_dim) == (layers, kv_heads, head_dim)
     assert info.context_length == field("llama.context_length")
     assert info.kv_bytes_per_token == {"fp32": 2 * layers * kv_heads * head_dim * 4,
-                                       "bf16": 2 * layers * kv_heads * head_dim * 2}
+                                       "fp16": 2 * layers * kv_heads * head_dim * 2}
     assert (info.runs, info.reason, info.sliding_window_layers, info.experts) == (True, None, 0, 0)
     # 30 layers × 7 Q4_1 projections kept as they are; the Q8_0 embedding (tied lm_head) too.
     assert info.held_as == {"4-bit blocks, as in the file": 210, "F32": 61, "8-bit blocks, as in the file": 1}
@@ -106,7 +106,7 @@ def test_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["info", str(tmp_path), "--json"]) == 0
     facts = json.loads(capsys.readouterr().out)
     assert (facts["source"], facts["family"], facts["runs"]) == (str(tmp_path), "llama", True)
-    assert facts["kv_bytes_per_token"] == {"fp32": 256, "bf16": 128}
+    assert facts["kv_bytes_per_token"] == {"fp32": 256, "fp16": 128}
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps(json.loads(config.read_text()) | {"model_type": "phi"}))

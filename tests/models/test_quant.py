@@ -35,7 +35,8 @@ CORPUS = Path(__file__).resolve().parents[2] / "benchmarks" / "corpus.txt"
 
 def _integer_reference(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None) -> torch.Tensor:
     """What the kernel must compute: x rounded to int8 per block of 32 (scale = max|x| / 127),
-    integer block dot products, then the scales (and the 4-bit minimum against the block's sum)."""
+    integer block dot products, then the scales (and the 4-bit minimum against the rounded block's
+    sum, scale · Σq, as llama.cpp's Q8_1)."""
     m, k = x.shape
     xb = x.double().reshape(m, k // 32, 32)
     d = xb.abs().amax(-1) / 127
@@ -43,7 +44,7 @@ def _integer_reference(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None)
     dots = torch.einsum("mbk,nbk->mnb", xq, w.q.double().reshape(w.shape[0], k // 32, 32))
     y = (dots * d[:, None, :] * w.scale.double()[None]).sum(-1)
     if w.min is not None:
-        y += (xb.sum(-1)[:, None, :] * w.min.double()[None]).sum(-1)
+        y += ((xq.sum(-1) * d)[:, None, :] * w.min.double()[None]).sum(-1)
     return y if bias is None else y + bias.double()
 
 

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 # --dtype: torch dtypes by name. torch is imported only where a dtype or device is needed, so the
 # flags generated from this class cost no torch import.
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", *DTYPES)
 SCHEDULING_POLICIES = ("fcfs", "priority", "length")
 ATTENTION_KERNEL = ("auto", "kernel", "sdpa")
 SMALL_BATCH_LINEAR = ("auto", "kernel", "off")
@@ -48,6 +49,10 @@ class EngineConfig:
     kv_cache_memory_fraction: float = _setting(
         0.4, "without --kv-cache-bytes: this fraction of the memory free after loading the weights")
     num_kv_blocks: int | None = _setting(None, "KV-cache blocks; overrides both budgets")
+    kv_cache_dtype: str = _setting(
+        "auto", "KV-cache elements: float16 holds twice the tokens of float32 and halves what attention reads, "
+        "at ~1e-3 relative rounding of K and V; auto: float16 where the C attention kernels run (CPU fp32), "
+        "else the activations' dtype", KV_CACHE_DTYPES)
     enable_prefix_caching: bool = _setting(True, "reuse the KV of shared prompt prefixes")
     enable_chunked_prefill: bool = _setting(True, "split long prompts across steps under the token budget")
     scheduling_policy: str = _setting(
@@ -124,6 +129,14 @@ class EngineConfig:
         import torch
 
         return getattr(torch, self.dtype)
+
+    def kv_torch_dtype(self, cpu_kernels: bool) -> torch.dtype:
+        """kv_cache_dtype as a torch dtype; `cpu_kernels`: the C kernels run on this device and dtype."""
+        import torch
+
+        if self.kv_cache_dtype != "auto":
+            return getattr(torch, self.kv_cache_dtype)
+        return torch.float16 if cpu_kernels else self.torch_dtype
 
     def resolved_device(self) -> torch.device:
         """The device to run on; ValueError, before any loading, for a GPU this machine lacks."""

@@ -60,6 +60,7 @@ class LLMEngine:
         self.model_config = weights.config
         self.tokenizer = weights.tokenizer
         self.max_model_len = self._resolve_max_model_len(weights.config)
+        self.kv_dtype = config.kv_torch_dtype(kernels.supports(self.device, config.torch_dtype))
         model = build_model(
             weights, self.max_model_len, self.device, config.torch_dtype,
             pack_weights=config.pack_weights, batch_hint=config.max_num_batched_tokens,
@@ -75,7 +76,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, num_blocks, config.block_size, self.eos_token_ids, self.device,
             paged_kernel=self._kernel_wanted("decode_attention", fallback="sdpa"),
-            prefill_kernel=self._kernel_wanted("prefill_attention", fallback="sdpa"),
+            prefill_kernel=self._kernel_wanted("prefill_attention", fallback="sdpa"), kv_dtype=self.kv_dtype,
         )
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
         self._ids = itertools.count()
@@ -109,11 +110,11 @@ class LLMEngine:
         choice = getattr(self.config, setting)
         if choice == fallback:
             return False
-        usable = kernels.supports(self.device, self.config.torch_dtype)
+        usable = kernels.supports(self.device, self.config.torch_dtype) and self.kv_dtype in kernels.KV_CACHE_DTYPES
         if choice == "kernel" and not usable:
             raise ValueError(
-                f"EngineConfig.{setting}='kernel' needs a CPU, float32 and a C compiler "
-                f"(see the log for why it did not build); use 'auto' or {fallback!r}"
+                f"EngineConfig.{setting}='kernel' needs a CPU, float32, a float32 or float16 KV cache and a C "
+                f"compiler (see the log for why it did not build); use 'auto' or {fallback!r}"
             )
         return usable
 
@@ -133,7 +134,7 @@ class LLMEngine:
         cfg, bs = self.config, self.config.block_size
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
-        dtype_bytes = torch.finfo(cfg.torch_dtype).bits // 8
+        dtype_bytes = self.kv_dtype.itemsize
         block_bytes = self.model_config.kv_bytes_per_token(dtype_bytes) * bs
         budget = cfg.kv_cache_bytes or int(cfg.kv_cache_memory_fraction * free_memory(self.device))
         # More than every running sequence at full length would never be used.

@@ -55,9 +55,10 @@ class ModelRunner:
         device: torch.device,
         paged_kernel: bool = False,
         prefill_kernel: bool = False,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """`paged_kernel`, `prefill_kernel`: attend decodes, prompt tokens with the C kernels that read the
-        paged cache in place (CPU fp32 only)."""
+        paged cache in place (CPU fp32 only). `kv_dtype`: the cache's elements (default: the activations')."""
         cfg = model.config
         self.paged_kernel = paged_kernel
         self.model = model
@@ -72,7 +73,7 @@ class ModelRunner:
         # extra last block is the null block that pads block tables.
         self.null_block = num_blocks
         self._initialised = torch.zeros(num_blocks + 1, dtype=torch.bool)
-        dtype = model.model.norm.weight.dtype  # the activations' (quantised weights have their own)
+        self.kv_dtype = dtype = kv_dtype or model.model.norm.weight.dtype  # norms have the activations' dtype
         shape = (num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = []
         for _ in range(cfg.num_hidden_layers):

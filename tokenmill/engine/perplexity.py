@@ -28,13 +28,21 @@ class Perplexity:
 
 def perplexity(engine: LLMEngine, text: str, window: int = 512, max_windows: int | None = None) -> Perplexity:
     ids, bos = _tokens(engine.tokenizer, text)
+    return perplexity_of_tokens(engine, ids, bos, window, max_windows)
+
+
+def perplexity_of_tokens(engine: LLMEngine, ids: list[int], bos: int | None, window: int = 512,
+                         max_windows: int | None = None) -> Perplexity:
+    """The same for a text tokenized elsewhere: given llama.cpp's token ids, the windows
+    llama-perplexity scores (the two tokenizers can split a text differently). `bos`: each
+    window's first token is replaced by it, where not None."""
     starts = list(range(0, len(ids) - window + 1, window))[:max_windows]
     if not starts:
         raise ValueError(f"the text has {len(ids)} tokens: fewer than one window of {window}")
     bs = engine.config.block_size
     # Scored with the attention kernel the engine runs prompts with: the figure is the engine's.
     runner = ModelRunner(engine.runner.model, -(-window // bs), bs, engine.eos_token_ids, engine.device,
-                         prefill_kernel=engine.runner.prefill_kernel)
+                         prefill_kernel=engine.runner.prefill_kernel, kv_dtype=engine.runner.kv_dtype)
     nll, scored = 0.0, 0
     for start in starts:
         tokens = ids[start : start + window]

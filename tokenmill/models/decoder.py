@@ -146,9 +146,9 @@ class Attention(nn.Module):
         q, k = rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        k_cache, v_cache = kv_cache  # [blocks, block_size, kv_heads, head_dim]
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        k_cache, v_cache = kv_cache  # [blocks, block_size, kv_heads, head_dim], maybe narrower than q
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         if len(meta.groups) == 1 and meta.groups[0].covers_batch:  # skip the scatter
             return self.o_proj(self._attend(q, k_cache, v_cache, meta.groups[0]).reshape(tokens, -1))
         out = torch.empty_like(q)
@@ -176,8 +176,8 @@ class Attention(nn.Module):
         qg = qg.reshape(n, kvh, grp * lq, d)
         # Gather whole blocks (one contiguous copy each), not token slots: ~5x faster here.
         blocks = g.context_blocks.flatten()
-        kg = k_cache.index_select(0, blocks).view(n, -1, kvh, d).transpose(1, 2)  # [G, KVH, Lk, D]
-        vg = v_cache.index_select(0, blocks).view(n, -1, kvh, d).transpose(1, 2)
+        kg = k_cache.index_select(0, blocks).to(q.dtype).view(n, -1, kvh, d).transpose(1, 2)  # [G, KVH, Lk, D]
+        vg = v_cache.index_select(0, blocks).to(q.dtype).view(n, -1, kvh, d).transpose(1, 2)
         # A window the group's mask does not carry has its own, narrowed one.
         mask = g.window_masks.get(self.sliding_window, g.mask) if self.sliding_window else g.mask
         assert mask is not None

@@ -29,7 +29,7 @@ from tokenmill.models.loader import (
 from tokenmill.models.quant import held_as
 
 # The KV cache dtypes whose size per token is reported.
-KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+KV_DTYPE_BYTES = {"fp32": 4, "fp16": 2}
 
 
 @dataclass

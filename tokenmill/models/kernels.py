@@ -31,8 +31,8 @@ _HEADERS = sorted((Path(__file__).with_name("csrc")).glob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode_attention": [_P] * 6 + [_I] * 6 + [_F, _I64, _I],
-    "paged_prefill_attention": [_P, _I64, _P, _I64] + [_P] * 6 + [_I] * 6 + [_F, _I64, _I],
+    "paged_decode_attention": [_P] * 6 + [_I] * 6 + [_F, _I64, _I, _I],
+    "paged_prefill_attention": [_P, _I64, _P, _I64] + [_P] * 6 + [_I] * 6 + [_F, _I64, _I, _I],
     "small_gemm": [_P] * 4 + [_I] * 4,
     "apply_token_bitmask": [_P, _P, _I, _I, _I],
     "quant_linear": [_I, _I] + [_P] * 6 + [_I] * 4,
@@ -65,7 +65,8 @@ class DecodeShape(ctypes.Structure):
 
     _fields_ = [(name, _I) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "rotary",
                                         "intermediate", "block_size", "max_blocks")] + \
-               [("eps", _F), ("attention_scale", _F), ("norm_offset", _F), ("activation", _I), ("q_scale", _F)]
+               [("eps", _F), ("attention_scale", _F), ("norm_offset", _F), ("activation", _I), ("q_scale", _F),
+                ("kv_half", _I)]
 
 
 _lock = threading.Lock()
@@ -136,6 +137,10 @@ def variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
 
 # csrc/team.h's activations of gated_activation, by transformers' hidden_act name.
 GATED_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
+
+
+# The KV-cache elements the attention kernels read (and the decode stack writes).
+KV_CACHE_DTYPES = (torch.float32, torch.float16)
 
 
 def supports(device: torch.device, dtype: torch.dtype) -> bool:

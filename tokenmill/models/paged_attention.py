@@ -1,5 +1,5 @@
-"""Attention read straight from the paged KV cache (CPU, fp32), via small C kernels: decodes
-(csrc/paged_attention.c) and prefill spans (csrc/prefill_attention.c), built by
+"""Attention read straight from the paged KV cache (CPU, fp32 queries, an fp32 or fp16 cache), via
+small C kernels: decodes (csrc/paged_attention.c) and prefill spans (csrc/prefill_attention.c), built by
 tokenmill.models.kernels. Where they do not build, or the device/dtype is not CPU fp32, the model
 falls back to gathering blocks and calling SDPA with a mask: the same result, with more memory
 traffic (decode) and, for prefill, the masked-out work done as well.
@@ -16,6 +16,13 @@ from tokenmill.models import kernels
 MAX_PREFILL_QUERY_GROUP = 32
 
 
+def _kv_half(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """1 for an fp16 cache, 0 for fp32 (the kernels' `kv_half`); queries are fp32."""
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
+    assert q.dtype == torch.float32 and k_cache.dtype in kernels.KV_CACHE_DTYPES, (q.dtype, k_cache.dtype)
+    return int(k_cache.dtype == torch.float16)
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [S, heads, D], one query token per sequence
     k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, D]
@@ -28,13 +35,13 @@ def paged_decode_attention(
     assert lib is not None, "the CPU kernels did not build (check kernels.supports() first)"
     num_seqs, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.dtype == k_cache.dtype == torch.float32
+    kv_half = _kv_half(q, k_cache, v_cache)
     q, tables, lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
     out = torch.empty_like(q)
     status = lib.paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(), num_seqs, kv_heads, heads // kv_heads, head_dim, block_size, tables.shape[1],
-        head_dim**-0.5, sliding_window or 0, torch.get_num_threads(),
+        head_dim**-0.5, sliding_window or 0, kv_half, torch.get_num_threads(),
     )
     if status != 0:
         raise RuntimeError(
@@ -61,12 +68,12 @@ def paged_prefill_attention(
     _, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.dtype == k_cache.dtype == torch.float32
+    kv_half = _kv_half(q, k_cache, v_cache)
     tables, rows, new, lens = (t.contiguous() for t in (block_tables, first_rows, num_new, context_lens))
     status = lib.paged_prefill_attention(
         q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         rows.data_ptr(), new.data_ptr(), lens.data_ptr(), tables.data_ptr(), len(rows), tables.shape[1], kv_heads,
-        heads // kv_heads, head_dim, block_size, head_dim**-0.5, sliding_window or 0, torch.get_num_threads(),
+        heads // kv_heads, head_dim, block_size, head_dim**-0.5, sliding_window or 0, kv_half, torch.get_num_threads(),
     )
     if status != 0:
         raise RuntimeError(

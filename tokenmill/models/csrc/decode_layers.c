@@ -24,13 +24,14 @@
 #include <string.h>
 
 #include "team.h"
+#include "vec8.h"
 
 typedef struct {
     const float *input_norm, *post_attention_norm;
     const float *q_norm, *k_norm;           /* per-head norms, or NULL */
     const float *ffn_norm, *post_ffn_norm;  /* Gemma 3's sandwich norms, or NULL */
     QuantLinear qkv, o, gate_up, down;
-    float *k_cache, *v_cache;  /* [blocks, block_size, kv_heads, head_dim] */
+    void *k_cache, *v_cache;   /* [blocks, block_size, kv_heads, head_dim], fp32 or (kv_half) fp16 */
     int64_t window;            /* sliding window, 0 for none */
     int local_rope;            /* turns by the local table */
 } DecodeLayer;
@@ -41,6 +42,7 @@ typedef struct {
     float norm_offset;  /* 1 where norms scale by (1 + w) */
     int activation;     /* SILU or GELU_TANH (team.h) */
     float q_scale;      /* queries multiplied by it after RoPE (Gemma 3's query_pre_attn_scalar) */
+    int kv_half;        /* the caches hold fp16 */
 } DecodeShape;
 
 /* The queries of the S qkv rows times q_scale, in place (as the layer-by-layer path does, rather
@@ -80,8 +82,16 @@ static void write_kv(const DecodeLayer *layer, const DecodeShape *d, const float
 #pragma omp for schedule(static)
     for (int s = 0; s < S; s++) {
         const float *row = qkv + s * qkv_dim + q_dim;
-        memcpy(layer->k_cache + slots[s] * kv_dim, row, sizeof(float) * kv_dim);
-        memcpy(layer->v_cache + slots[s] * kv_dim, row + kv_dim, sizeof(float) * kv_dim);
+        if (!d->kv_half) {
+            memcpy((float *)layer->k_cache + slots[s] * kv_dim, row, sizeof(float) * kv_dim);
+            memcpy((float *)layer->v_cache + slots[s] * kv_dim, row + kv_dim, sizeof(float) * kv_dim);
+            continue;
+        }
+        uint16_t *k = (uint16_t *)layer->k_cache + slots[s] * kv_dim, *v = (uint16_t *)layer->v_cache + slots[s] * kv_dim;
+        for (int64_t i = 0; i < kv_dim; i += 8) {  /* head_dim is a multiple of 8 */
+            store_half8(k + i, LOAD(row + i));
+            store_half8(v + i, LOAD(row + kv_dim + i));
+        }
     }
 }
 
@@ -117,7 +127,7 @@ int decode_layers(const DecodeLayer *layers, const DecodeShape *d, float *x, int
         write_kv(layer, d, qkv, qkv_dim, slots, S);
         paged_attention_team(qkv, qkv_dim, layer->k_cache, layer->v_cache, block_tables, context_lens, attn,
                              attn_dim, S, d->kv_heads, d->heads / d->kv_heads, D, d->block_size,
-                             d->max_blocks, d->attention_scale, layer->window, &failed);
+                             d->max_blocks, d->attention_scale, layer->window, d->kv_half, &failed);
         if (sandwich) {
             quant_linear_team(&layer->o, attn, out, S, 0, xq);
             add_normed(x, out, layer->post_attention_norm, normed, S, d);

@@ -10,7 +10,7 @@
  * attended a whole 2,048-token context alone. Then each context is split into parts attended as
  * tasks of their own and merged by their scores' maxima and totals (split_context, combine_parts).
  *
- * Layouts (all contiguous, fp32):
+ * Layouts (all contiguous; q and out fp32, the caches fp32 or, with kv_half, fp16):
  *   q, out           [num_seqs, num_kv_heads * group, head_dim] (the team body takes row strides)
  *   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_tables     [num_seqs, max_blocks]   (int64)
@@ -29,26 +29,26 @@
 #include "team.h"
 #include "vec8.h"
 
-static inline vec8 dot_partial(const vec8 *qv, const float *k, int n8) {
+static inline __attribute__((always_inline)) vec8 dot_partial(const vec8 *qv, const char *k, int n8, int half) {
     vec8 s0 = {0}, s1 = {0};  /* two chains: the FMA latency is hidden */
     int i = 0;
     for (; i + 1 < n8; i += 2) {
-        s0 += qv[i] * LOAD(k + 8 * i);
-        s1 += qv[i + 1] * LOAD(k + 8 * i + 8);
+        s0 += qv[i] * load_kv(k, 8 * i, half);
+        s1 += qv[i + 1] * load_kv(k, 8 * i + 8, half);
     }
-    if (i < n8) s0 += qv[i] * LOAD(k + 8 * i);
+    if (i < n8) s0 += qv[i] * load_kv(k, 8 * i, half);
     return s0 + s1;
 }
 
 typedef struct {
-    const float *k_cache, *v_cache;
+    const char *k_cache, *v_cache;  /* this KV head's first element in the caches */
     const int64_t *table;
-    int64_t row_stride, block_stride, start, len;
+    int64_t row_bytes, block_bytes, start, len;  /* strides in bytes: the elements are 2 or 4 */
     int block_size;
 } Context;
 
-static inline const float *row(const Context *c, const float *cache, int64_t pos) {
-    return cache + c->table[pos / c->block_size] * c->block_stride + (pos % c->block_size) * c->row_stride;
+static inline const char *row(const Context *c, const char *cache, int64_t pos) {
+    return cache + c->table[pos / c->block_size] * c->block_bytes + (pos % c->block_size) * c->row_bytes;
 }
 
 /* First position past pos's block, capped at the context's end. */
@@ -65,9 +65,10 @@ typedef struct {
 
 /* One query head over positions [c->start, c->len): scores, softmax, weighted sum of V into out,
  * divided by the weights' total when `normalise`. D is a multiple of 8; with a compile-time D
- * (the specialisations below) the query and the output live in registers. */
-static inline Partial attend_head(const Context *c, const float *q, int D, float scale, float *scores,
-                                  float *out, int normalise) {
+ * (the specialisations below) the query and the output live in registers; `half` (fp16 caches)
+ * is a compile-time constant of each specialisation too. */
+static inline __attribute__((always_inline)) Partial attend_head(const Context *c, const float *q, int D, float scale,
+                                                                 float *scores, float *out, int normalise, int half) {
     vec8 qv[32], acc[32];  /* head_dim <= 256 */
     const int n8 = D / 8;
     if (c->len <= c->start) {  /* an empty part of a split context */
@@ -79,17 +80,17 @@ static inline Partial attend_head(const Context *c, const float *q, int D, float
     float max_score = -INFINITY;
     /* Walk block by block: no division per position (64-bit idiv costs ~40+ cycles). */
     for (int64_t pos = c->start; pos < c->len;) {
-        const float *k = row(c, c->k_cache, pos);
+        const char *k = row(c, c->k_cache, pos);
         const int64_t end = block_end(c, pos);
-        for (; pos + 8 <= end; pos += 8, k += 8 * c->row_stride) {
+        for (; pos + 8 <= end; pos += 8, k += 8 * c->row_bytes) {
             vec8 partial[8];
-            for (int j = 0; j < 8; j++) partial[j] = dot_partial(qv, k + j * c->row_stride, n8);
+            for (int j = 0; j < 8; j++) partial[j] = dot_partial(qv, k + j * c->row_bytes, n8, half);
             const vec8 s8 = sum8x8(partial) * scale;
             *(vec8u *)(scores + pos - c->start) = s8;
             max8 = select8(s8 > max8, s8, max8);
         }
-        for (; pos < end; pos++, k += c->row_stride) {
-            const float score = sum8(dot_partial(qv, k, n8)) * scale;
+        for (; pos < end; pos++, k += c->row_bytes) {
+            const float score = sum8(dot_partial(qv, k, n8, half)) * scale;
             scores[pos - c->start] = score;
             if (score > max_score) max_score = score;
         }
@@ -110,11 +111,11 @@ static inline Partial attend_head(const Context *c, const float *q, int D, float
     }
     for (int i = 0; i < n8; i++) acc[i] = (vec8){0};
     for (int64_t pos = c->start; pos < c->len;) {
-        const float *v = row(c, c->v_cache, pos);
+        const char *v = row(c, c->v_cache, pos);
         const int64_t end = block_end(c, pos);
-        for (; pos < end; pos++, v += c->row_stride) {
+        for (; pos < end; pos++, v += c->row_bytes) {
             const float w = scores[pos - c->start];
-            for (int i = 0; i < n8; i++) acc[i] += w * LOAD(v + 8 * i);
+            for (int i = 0; i < n8; i++) acc[i] += w * load_kv(v, 8 * i, half);
         }
     }
     const float inv = normalise ? 1.0f / total : 1.0f;
@@ -122,20 +123,28 @@ static inline Partial attend_head(const Context *c, const float *q, int D, float
     return (Partial){max_score, total};
 }
 
-static Partial attend_64(const Context *c, const float *q, float scale, float *s, float *o, int normalise) {
-    return attend_head(c, q, 64, scale, s, o, normalise);
-}
-static Partial attend_128(const Context *c, const float *q, float scale, float *s, float *o, int normalise) {
-    return attend_head(c, q, 128, scale, s, o, normalise);
-}
-static Partial attend_any(const Context *c, const float *q, int D, float scale, float *s, float *o,
-                          int normalise) {
-    return attend_head(c, q, D, scale, s, o, normalise);
-}
+/* attend_head specialised by head_dim (64, 128, any: DIM is then D) and cache element. */
+#define ATTEND(NAME, DIM, HALF)                                                                           \
+    static Partial NAME(const Context *c, const float *q, int D, float scale, float *s, float *o, int normalise) { \
+        (void)D;                                                                                          \
+        return attend_head(c, q, DIM, scale, s, o, normalise, HALF);                                      \
+    }
+ATTEND(attend_64, 64, 0)
+ATTEND(attend_128, 128, 0)
+ATTEND(attend_any, D, 0)
+ATTEND(attend_64_half, 64, 1)
+ATTEND(attend_128_half, 128, 1)
+ATTEND(attend_any_half, D, 1)
 
-static Partial attend(const Context *c, const float *q, int D, float scale, float *s, float *o, int normalise) {
-    if (D == 64) return attend_64(c, q, scale, s, o, normalise);
-    if (D == 128) return attend_128(c, q, scale, s, o, normalise);
+static Partial attend(const Context *c, const float *q, int D, float scale, float *s, float *o, int normalise,
+                      int half) {
+    if (half) {
+        if (D == 64) return attend_64_half(c, q, D, scale, s, o, normalise);
+        if (D == 128) return attend_128_half(c, q, D, scale, s, o, normalise);
+        return attend_any_half(c, q, D, scale, s, o, normalise);
+    }
+    if (D == 64) return attend_64(c, q, D, scale, s, o, normalise);
+    if (D == 128) return attend_128(c, q, D, scale, s, o, normalise);
     return attend_any(c, q, D, scale, s, o, normalise);
 }
 
@@ -188,10 +197,10 @@ static void combine_parts(const float *parts_out, int parts, int D, float *out) 
 /* The team's share of (sequence, KV head, part of its context) tasks: each task's query heads run
  * back to back while the K/V rows they share are still in cache. Split contexts go through a
  * buffer shared by the team, merged once every part is done. */
-void paged_attention_team(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+void paged_attention_team(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                           const int64_t *block_tables, const int64_t *context_lens, float *out,
                           int64_t out_stride, int num_seqs, int num_kv_heads, int group, int head_dim,
-                          int block_size, int max_blocks, float scale, int64_t window, int *failed) {
+                          int block_size, int max_blocks, float scale, int64_t window, int kv_half, int *failed) {
     int64_t part_keys = 0;
     const int parts = split_context(context_lens, num_seqs, num_kv_heads, block_size, window, &part_keys);
     const int64_t items = (int64_t)num_seqs * num_kv_heads, part_stride = head_dim + 2;
@@ -225,20 +234,20 @@ void paged_attention_team(const float *q, int64_t q_stride, const float *k_cache
             capacity = 0;
             continue;
         }
+        const int64_t element = kv_half ? 2 : 4, row_bytes = element * num_kv_heads * head_dim;
         const Context c = {
-            k_cache + (int64_t)kv_head * head_dim, v_cache + (int64_t)kv_head * head_dim,
-            block_tables + seq * max_blocks, (int64_t)num_kv_heads * head_dim,
-            (int64_t)block_size * num_kv_heads * head_dim, first, last, block_size,
+            (const char *)k_cache + element * kv_head * head_dim, (const char *)v_cache + element * kv_head * head_dim,
+            block_tables + seq * max_blocks, row_bytes, block_size * row_bytes, first, last, block_size,
         };
         for (int g = 0; g < group; g++) {
             const int64_t head = (int64_t)(kv_head * group + g) * head_dim;
             const float *qh = q + seq * q_stride + head;
             if (parts == 1) {
-                attend(&c, qh, head_dim, scale, scores, out + seq * out_stride + head, 1);
+                attend(&c, qh, head_dim, scale, scores, out + seq * out_stride + head, 1, kv_half);
                 continue;
             }
             float *slot = part_results + ((item * group + g) * parts + part) * part_stride;
-            const Partial r = attend(&c, qh, head_dim, scale, scores, slot, 0);
+            const Partial r = attend(&c, qh, head_dim, scale, scores, slot, 0, kv_half);
             slot[head_dim] = r.max;
             slot[head_dim + 1] = r.total;
         }
@@ -255,17 +264,18 @@ void paged_attention_team(const float *q, int64_t q_stride, const float *k_cache
 }
 
 /* Returns 0 on success; -1 for an empty context, one longer than its block table, a head_dim
- * that is not a multiple of 8 up to 256, or a failed scratch allocation. */
-int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+ * that is not a multiple of 8 up to 256, or a failed scratch allocation. kv_half: the caches hold
+ * fp16. */
+int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, const int64_t *context_lens, float *out,
                            int num_seqs, int num_kv_heads, int group, int head_dim,
                            int block_size, int max_blocks, float scale, int64_t window,
-                           int num_threads) {
+                           int kv_half, int num_threads) {
     if (head_dim % 8 != 0 || head_dim > 256) return -1;
     const int64_t stride = (int64_t)num_kv_heads * group * head_dim;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     paged_attention_team(q, stride, k_cache, v_cache, block_tables, context_lens, out, stride, num_seqs,
-                         num_kv_heads, group, head_dim, block_size, max_blocks, scale, window, &failed);
+                         num_kv_heads, group, head_dim, block_size, max_blocks, scale, window, kv_half, &failed);
     return failed ? -1 : 0;
 }

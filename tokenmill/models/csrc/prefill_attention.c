@@ -14,7 +14,8 @@
  * last query are padding: masked everywhere, never written.
  *
  * Layouts: q and out rows of the flat token batch, q_stride and out_stride floats apart, heads of
- * head_dim floats side by side; caches [blocks, block_size, kv_heads, head_dim]; per request: its first
+ * head_dim floats side by side; caches [blocks, block_size, kv_heads, head_dim], fp32 or (kv_half)
+ * fp16, whose rows are converted KEY_STEP at a time for the whole tile; per request: its first
  * row in the batch, its number of new tokens (the last of its context) and its context length,
  * and its block table (max_blocks int64 each).
  */
@@ -27,11 +28,11 @@
 enum { ROWS = 32, VECS = ROWS / 8, KEY_STEP = 4 };
 
 typedef struct {
-    const float *k, *v;      /* this KV head's column of the caches */
+    const char *k, *v;       /* this KV head's column of the caches */
     const int64_t *table;
-    int64_t row_stride;      /* floats between positions within a block */
-    int64_t block_stride;
-    int block_size;
+    int64_t row_bytes;       /* between positions within a block */
+    int64_t block_bytes;
+    int block_size, half;    /* half: fp16 elements, else fp32 */
 } Cache;
 
 /* Walks a context's positions in order, a block at a time: no division per position (64-bit
@@ -41,15 +42,27 @@ typedef struct {
     int offset;
 } Cursor;
 
-/* The K and V rows of the next `keys` positions (the first one's again for the rest of KEY_STEP). */
-static inline void next_rows(const Cache *c, Cursor *at, int keys, const float *k[KEY_STEP], const float *v[KEY_STEP]) {
+/* The K and V rows of the next `keys` positions as floats (the first one's again for the rest of
+ * KEY_STEP): where they lie in an fp32 cache; from an fp16 one, converted into buf (2·KEY_STEP·D). */
+static inline void next_rows(const Cache *c, Cursor *at, int keys, int D, float *buf, const float *k[KEY_STEP],
+                             const float *v[KEY_STEP]) {
     for (int j = 0; j < KEY_STEP; j++) {
         if (j >= keys) {
             k[j] = k[0], v[j] = v[0];
             continue;
         }
-        const int64_t row = c->table[at->block] * c->block_stride + at->offset * c->row_stride;
-        k[j] = c->k + row, v[j] = c->v + row;
+        const int64_t row = c->table[at->block] * c->block_bytes + at->offset * c->row_bytes;
+        if (c->half) {
+            const uint16_t *kh = (const uint16_t *)(c->k + row), *vh = (const uint16_t *)(c->v + row);
+            float *kf = buf + 2 * j * D, *vf = kf + D;
+            for (int d = 0; d < D; d += 8) {
+                *(vec8u *)(kf + d) = load_half8(kh + d);
+                *(vec8u *)(vf + d) = load_half8(vh + d);
+            }
+            k[j] = kf, v[j] = vf;
+        } else {
+            k[j] = (const float *)(c->k + row), v[j] = (const float *)(c->v + row);
+        }
         if (++at->offset == c->block_size) at->block++, at->offset = 0;
     }
 }
@@ -86,9 +99,10 @@ static inline void scores(const float *const k[KEY_STEP], const float *qt, int D
     }
 }
 
-/* One tile: rows of qt [D][ROWS] against keys [lo, hi), into ot [D][ROWS] (normalised). */
-static void attend_tile(const Cache *c, const float *qt, float *ot, int D, int64_t lo, int64_t hi, const vec8 *pos,
-                        int64_t window) {
+/* One tile: rows of qt [D][ROWS] against keys [lo, hi), into ot [D][ROWS] (normalised); rows_buf
+ * holds 2·KEY_STEP·D floats. */
+static void attend_tile(const Cache *c, const float *qt, float *ot, float *rows_buf, int D, int64_t lo, int64_t hi,
+                        const vec8 *pos, int64_t window) {
     vec8 top[VECS], total[VECS];
     for (int v = 0; v < VECS; v++) top[v] = (vec8){0} - INFINITY, total[v] = (vec8){0};
     for (int64_t i = 0; i < (int64_t)D * VECS; i++) ((vec8 *)ot)[i] = (vec8){0};
@@ -96,7 +110,7 @@ static void attend_tile(const Cache *c, const float *qt, float *ot, int D, int64
     for (int64_t key = lo; key < hi; key += KEY_STEP) {
         const int keys = hi - key < KEY_STEP ? (int)(hi - key) : KEY_STEP;
         const float *kr[KEY_STEP], *vr[KEY_STEP];
-        next_rows(c, &at, keys, kr, vr);
+        next_rows(c, &at, keys, D, rows_buf, kr, vr);
         vec8 s[KEY_STEP][VECS], scale[VECS];
         scores(kr, qt, D, key, keys, pos, window, s);
         for (int v = 0; v < VECS; v++) {
@@ -135,11 +149,11 @@ static inline int64_t request_tasks(int64_t num_new, int queries_per_tile, int n
 /* Returns 0, or -1 for a group too large for a tile, a request whose context is shorter than its
  * new tokens or longer than its block table, or a failed scratch allocation. */
 int paged_prefill_attention(const float *q, int64_t q_stride, float *out, int64_t out_stride,
-                            const float *k_cache, const float *v_cache, const int64_t *first_rows,
+                            const void *k_cache, const void *v_cache, const int64_t *first_rows,
                             const int64_t *num_new,
                             const int64_t *context_lens, const int64_t *block_tables, int num_requests,
                             int max_blocks, int num_kv_heads, int group, int head_dim, int block_size,
-                            float scale, int64_t window, int num_threads) {
+                            float scale, int64_t window, int kv_half, int num_threads) {
     if (group > ROWS || head_dim % 8 != 0) return -1;
     for (int i = 0; i < num_requests; i++)
         if (num_new[i] < 1 || context_lens[i] < num_new[i] || context_lens[i] > (int64_t)max_blocks * block_size)
@@ -150,7 +164,8 @@ int paged_prefill_attention(const float *q, int64_t q_stride, float *out, int64_
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *qt = (float *)aligned_alloc(64, sizeof(float) * 2 * (size_t)head_dim * ROWS);
+        /* qt and ot [D][ROWS], then the converted rows of an fp16 cache */
+        float *qt = (float *)aligned_alloc(64, sizeof(float) * 2 * (size_t)head_dim * (ROWS + KEY_STEP));
         if (qt == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -171,10 +186,12 @@ int paged_prefill_attention(const float *q, int64_t q_stride, float *out, int64_
             const int64_t q0 = (t % per_head) * queries_per_tile;  /* the tile's first new token */
             const int queries = num_new[i] - q0 < queries_per_tile ? (int)(num_new[i] - q0) : queries_per_tile;
             const int64_t first_pos = context_lens[i] - num_new[i] + q0, last_pos = first_pos + queries - 1;
-            const Cache c = {k_cache + (int64_t)kv_head * head_dim, v_cache + (int64_t)kv_head * head_dim,
-                             block_tables + (int64_t)i * max_blocks, (int64_t)num_kv_heads * head_dim,
-                             (int64_t)block_size * num_kv_heads * head_dim, block_size};
-            float *ot = qt + (size_t)head_dim * ROWS;
+            const int64_t element = kv_half ? 2 : 4, row_bytes = element * num_kv_heads * head_dim;
+            const Cache c = {(const char *)k_cache + element * kv_head * head_dim,
+                             (const char *)v_cache + element * kv_head * head_dim,
+                             block_tables + (int64_t)i * max_blocks, row_bytes, block_size * row_bytes, block_size,
+                             kv_half};
+            float *ot = qt + (size_t)head_dim * ROWS, *rows_buf = ot + (size_t)head_dim * ROWS;
             for (int r = 0; r < ROWS; r++) {
                 const int qi = r / group;
                 const int64_t head = (int64_t)(kv_head * group + r % group) * head_dim;
@@ -184,7 +201,7 @@ int paged_prefill_attention(const float *q, int64_t q_stride, float *out, int64_
             vec8 pos[VECS];
             row_positions(pos, first_pos, queries, group);
             const int64_t lo = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
-            attend_tile(&c, qt, ot, head_dim, lo, last_pos + 1, pos, window);
+            attend_tile(&c, qt, ot, rows_buf, head_dim, lo, last_pos + 1, pos, window);
             for (int r = 0; r < queries * group; r++) {
                 const int64_t head = (int64_t)(kv_head * group + r % group) * head_dim;
                 float *dst = out + (first_rows[i] + q0 + r / group) * out_stride + head;

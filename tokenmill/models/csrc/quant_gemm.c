@@ -17,7 +17,7 @@
  * horizontal sums are needed.
  *
  * Activations: x fp32 [M, K] is quantised into scratch of the calling thread: xq int8 [M, K],
- * xs (scale) and xsum (the block's exact fp32 sum, for the q4 min term) fp32 [M, K/32], and
+ * xs (scale) and xsum (the block's sum, for the q4 min term) fp32 [M, K/32], and
  * xqsum, the block's sum of int8 values (int32 [M, K/32]), for the VNNI path's q8 offset.
  *
  * Two instruction paths over the same layouts:
@@ -71,16 +71,21 @@ static inline float hmax(__m256 v) {
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* Each block of 32: scale = max|x| / 127, q = round-to-nearest-even(x / scale), and the exact sum. */
+/* Each block of 32: scale = max|x| / 127, q = round-to-nearest-even(x / scale), and the sum of the
+ * rounded values, scale · Σq (llama.cpp's Q8_1 sum). Why not x's exact sum: a 4-bit row is
+ * scale · q + min with q in [0, 15] and min ~ -8 · scale, so against the rounded x (x̂) the
+ * layer computes Σ w·x̂ exactly, whose error Σ w·(x - x̂) has centred weights; the exact sum leaves
+ * Σ (w - min)·(x - x̂), weights 0..15 · scale, ~3.6x the error variance. Measured on the same tokens as
+ * llama-perplexity (36 windows of 512): SmolLM2 +0.77% over llama.cpp with the exact sum, +0.05%
+ * with this one. */
 static void quantize_row(const float *x, int8_t *q, float *scale, float *sum, int32_t *qsum, int K) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < K / BLOCK; b++) {
         const float *xb = x + b * BLOCK;
-        __m256 v[4], amax = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+        __m256 v[4], amax = _mm256_setzero_ps();
         for (int i = 0; i < 4; i++) {
             v[i] = _mm256_loadu_ps(xb + 8 * i);
             amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-            total = _mm256_add_ps(total, v[i]);
         }
         const float d = hmax(amax) / 127.f;
         const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
@@ -92,10 +97,10 @@ static void quantize_row(const float *x, int8_t *q, float *scale, float *sum, in
                                                        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)(q + b * BLOCK), n8);
         scale[b] = d;
-        sum[b] = hsum(total);
         /* |n| <= 127 (x / (max|x| / 127)): the packs above saturate nothing, so this is q's sum. */
         const __m256i n32 = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
         qsum[b] = (int32_t)hsum(_mm256_cvtepi32_ps(n32));  /* |sum| <= 4064: exact in fp32 */
+        sum[b] = d * (float)qsum[b];
     }
 }
 

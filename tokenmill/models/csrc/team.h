@@ -36,10 +36,11 @@ void gated_activation_team(const float *gate_up, float *out, int T, int I, int a
 /* One row of rms_norm_team (x and y may be the same: in place). */
 void rms_norm_row(const float *x, const float *w, float *y, int K, float eps, float offset);
 
-/* q rows `q_stride` floats apart, out rows `out_stride` apart; *failed is set (never cleared)
- * when a context is empty or longer than its block table, or scratch cannot be allocated. */
-void paged_attention_team(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+/* q rows `q_stride` floats apart, out rows `out_stride` apart; the caches hold fp16 when kv_half,
+ * else fp32; *failed is set (never cleared) when a context is empty or longer than its block
+ * table, or scratch cannot be allocated. */
+void paged_attention_team(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                           const int64_t *block_tables, const int64_t *context_lens, float *out,
                           int64_t out_stride, int num_seqs, int num_kv_heads, int group, int head_dim,
-                          int block_size, int max_blocks, float scale, int64_t window, int *failed);
+                          int block_size, int max_blocks, float scale, int64_t window, int kv_half, int *failed);
 #endif

@@ -54,4 +54,27 @@ static inline vec8 exp8(vec8 x) {
     return p * (vec8)((__builtin_convertvector(n, vec8i) + 127) << 23);
 }
 
+/* Caches of fp16 elements (EngineConfig.kv_cache_dtype): eight halves to floats and back, rounding
+ * to nearest even as torch's .half() does. F16C's instructions where the CPU has them (GCC 12 turns
+ * the portable form below into one conversion per element). */
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline vec8 load_half8(const uint16_t *p) {
+    return (vec8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+static inline void store_half8(uint16_t *p, vec8 v) {
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#else
+typedef _Float16 vec8h __attribute__((vector_size(16), aligned(2)));
+static inline vec8 load_half8(const uint16_t *p) { return __builtin_convertvector(*(const vec8h *)p, vec8); }
+static inline void store_half8(uint16_t *p, vec8 v) { *(vec8h *)p = __builtin_convertvector(v, vec8h); }
+#endif
+
+/* Eight cache elements from element i of p: fp16 when `half`, else fp32. Callers pass `half` as a
+ * constant of an inlined specialisation, so the choice is made at compile time. */
+static inline __attribute__((always_inline)) vec8 load_kv(const void *p, int64_t i, int half) {
+    return half ? load_half8((const uint16_t *)p + i) : LOAD((const float *)p + i);
+}
+
 #endif
