@@ -1,5 +1,6 @@
 """tokenmill against llama.cpp's `llama-batched-bench` on the same GGUF files, same shapes, same
-threads, measured in alternating rounds in one run; perplexity beside it from `llama-perplexity`.
+threads, measured in alternating rounds in one run; perplexity beside it from `llama-perplexity`,
+the engine scored on llama.cpp's own tokens of the text (`llama-tokenize`): the same windows.
 
     python benchmarks/vs_llamacpp.py                                  # both models, both shapes
     python benchmarks/vs_llamacpp.py --models smollm2 --shapes 256x64 --batches 1,32 --rounds 1
@@ -235,7 +236,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plot", type=Path, help="draw the table here (PNG)")
     args = parser.parse_args()
-    for tool in ("llama-batched-bench", "llama-perplexity"):
+    for tool in ("llama-batched-bench", "llama-perplexity", "llama-tokenize"):
         if not (BIN / tool).is_file():
             raise SystemExit(f"{BIN / tool}: not built; run `bash benchmarks/setup_llamacpp.sh` first")
     results = run(args)
