@@ -51,8 +51,8 @@ class EngineConfig:
     num_kv_blocks: int | None = _setting(None, "KV-cache blocks; overrides both budgets")
     kv_cache_dtype: str = _setting(
         "auto", "KV-cache elements: float16 holds twice the tokens of float32 and halves what attention reads, "
-        "at ~1e-3 relative rounding of K and V; auto: float16 where the C attention kernels run (CPU fp32), "
-        "else the activations' dtype", KV_CACHE_DTYPES)
+        "rounding K and V to 11 significant bits; auto: float16 where the C kernels run (CPU fp32), else the "
+        "activations' dtype; bfloat16 runs attention on PyTorch ops", KV_CACHE_DTYPES)
     enable_prefix_caching: bool = _setting(True, "reuse the KV of shared prompt prefixes")
     enable_chunked_prefill: bool = _setting(True, "split long prompts across steps under the token budget")
     scheduling_policy: str = _setting(

@@ -75,8 +75,9 @@ class LLMEngine:
                                         config.grammar_compile_timeout_s)
         self.runner = ModelRunner(
             model, num_blocks, config.block_size, self.eos_token_ids, self.device,
-            paged_kernel=self._kernel_wanted("decode_attention", fallback="sdpa"),
-            prefill_kernel=self._kernel_wanted("prefill_attention", fallback="sdpa"), kv_dtype=self.kv_dtype,
+            paged_kernel=self._kernel_wanted("decode_attention", fallback="sdpa", reads_kv=True),
+            prefill_kernel=self._kernel_wanted("prefill_attention", fallback="sdpa", reads_kv=True),
+            kv_dtype=self.kv_dtype,
         )
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
         self._ids = itertools.count()
@@ -105,16 +106,20 @@ class LLMEngine:
                              "(see the log for why the kernels did not build); use 'auto' or 'fp32'")
         return choice if choice != "auto" or usable else "fp32"
 
-    def _kernel_wanted(self, setting: str, fallback: str) -> bool:
-        """A C-kernel setting ("auto" | "kernel" | its PyTorch `fallback`): use the kernel?"""
+    def _kernel_wanted(self, setting: str, fallback: str, reads_kv: bool = False) -> bool:
+        """A C-kernel setting ("auto" | "kernel" | its PyTorch `fallback`): use the kernel? `reads_kv`: an
+        attention kernel, which reads fp32 and fp16 caches only."""
         choice = getattr(self.config, setting)
         if choice == fallback:
             return False
-        usable = kernels.supports(self.device, self.config.torch_dtype) and self.kv_dtype in kernels.KV_CACHE_DTYPES
+        usable = kernels.supports(self.device, self.config.torch_dtype)
+        if reads_kv:
+            usable = usable and self.kv_dtype in kernels.KV_CACHE_DTYPES
         if choice == "kernel" and not usable:
+            cache = ", a float32 or float16 KV cache" if reads_kv else ""
             raise ValueError(
-                f"EngineConfig.{setting}='kernel' needs a CPU, float32, a float32 or float16 KV cache and a C "
-                f"compiler (see the log for why it did not build); use 'auto' or {fallback!r}"
+                f"EngineConfig.{setting}='kernel' needs a CPU, float32{cache} and a C compiler "
+                f"(see the log for why it did not build); use 'auto' or {fallback!r}"
             )
         return usable
 
@@ -142,7 +147,8 @@ class LLMEngine:
         blocks = min(budget // block_bytes, useful)
         if blocks < 1:
             raise ValueError(f"KV-cache budget of {budget} bytes holds no {block_bytes}-byte block")
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", blocks, bs, blocks * block_bytes / 2**20)
+        log.info("KV cache: %d blocks of %d tokens, %s (%.1f MiB)", blocks, bs,
+                 str(self.kv_dtype).removeprefix("torch."), blocks * block_bytes / 2**20)
         return int(blocks)
 
     def _eos_token_ids(self) -> list[int]:

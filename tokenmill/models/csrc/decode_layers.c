@@ -87,7 +87,8 @@ static void write_kv(const DecodeLayer *layer, const DecodeShape *d, const float
             memcpy((float *)layer->v_cache + slots[s] * kv_dim, row + kv_dim, sizeof(float) * kv_dim);
             continue;
         }
-        uint16_t *k = (uint16_t *)layer->k_cache + slots[s] * kv_dim, *v = (uint16_t *)layer->v_cache + slots[s] * kv_dim;
+        uint16_t *k = (uint16_t *)layer->k_cache + slots[s] * kv_dim;
+        uint16_t *v = (uint16_t *)layer->v_cache + slots[s] * kv_dim;
         for (int64_t i = 0; i < kv_dim; i += 8) {  /* head_dim is a multiple of 8 */
             store_half8(k + i, LOAD(row + i));
             store_half8(v + i, LOAD(row + kv_dim + i));

@@ -17,7 +17,7 @@
  * horizontal sums are needed.
  *
  * Activations: x fp32 [M, K] is quantised into scratch of the calling thread: xq int8 [M, K],
- * xs (scale) and xsum (the block's sum, for the q4 min term) fp32 [M, K/32], and
+ * xs (scale) and xsum (scale · Σq, the rounded block's sum, for the q4 min term) fp32 [M, K/32], and
  * xqsum, the block's sum of int8 values (int32 [M, K/32]), for the VNNI path's q8 offset.
  *
  * Two instruction paths over the same layouts:
