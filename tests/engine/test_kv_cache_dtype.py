@@ -3,26 +3,16 @@ costs, so a budget holds twice the tokens); a dtype the kernels cannot read runs
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.models.test_equivalence import _prompts, _tiny_model
+from tests.models.test_equivalence import _prompts
 from tests.reference import TeacherForcedReference
 from tokenmill import LLM, SamplingParams
 from tokenmill.models import kernels
-from tokenmill.models.loader import LoadedWeights, load_weights
+from tokenmill.models.loader import LoadedWeights
 
 BUDGET = 64 * 1024  # bytes: a few blocks of the tiny model
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoadedWeights, torch.nn.Module]:
-    model = _tiny_model("llama")
-    folder: Path = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(folder)
-    return load_weights(str(folder)), model
 
 
 def _cache(llm: LLM) -> tuple[torch.dtype, int]:
@@ -32,9 +22,9 @@ def _cache(llm: LLM) -> tuple[torch.dtype, int]:
 
 
 def test_auto_is_fp16_where_the_kernels_run_and_a_budget_then_holds_twice_the_blocks(
-    tiny: tuple[LoadedWeights, torch.nn.Module], monkeypatch: pytest.MonkeyPatch
+    tiny_llama: tuple[LoadedWeights, torch.nn.Module], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    weights, _ = tiny
+    weights, _ = tiny_llama
     budget = {"block_size": 4, "kv_cache_bytes": BUDGET}
     half_dtype, half_blocks = _cache(LLM(weights=weights, **budget))
     full_dtype, full_blocks = _cache(LLM(weights=weights, kv_cache_dtype="float32", **budget))
@@ -45,8 +35,10 @@ def test_auto_is_fp16_where_the_kernels_run_and_a_budget_then_holds_twice_the_bl
     assert _cache(LLM(weights=weights, **budget))[0] == torch.float32
 
 
-def test_a_bf16_cache_runs_on_pytorch_ops_and_refuses_the_kernels(tiny: tuple[LoadedWeights, torch.nn.Module]) -> None:
-    weights, model = tiny
+def test_a_bf16_cache_runs_on_pytorch_ops_and_refuses_the_kernels(
+    tiny_llama: tuple[LoadedWeights, torch.nn.Module],
+) -> None:
+    weights, model = tiny_llama
     llm = LLM(weights=weights, block_size=4, max_num_seqs=4, kv_cache_dtype="bfloat16")
     assert _cache(llm)[0] == torch.bfloat16
     assert not (llm.engine.runner.paged_kernel or llm.engine.runner.prefill_kernel)

@@ -4,14 +4,12 @@ output; one per output token when a stop string cuts the text."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.models.test_equivalence import _prompts, _tiny_model
+from tests.models.test_equivalence import _prompts
 from tokenmill.engine import LLM, RequestOutput, SamplingParams, StructuredOutputsParams
-from tokenmill.models.loader import LoadedWeights, load_weights
+from tokenmill.models.loader import LoadedWeights
 
 MAX_NEW = 10
 TOP = 3
@@ -19,14 +17,6 @@ ATOL = 1e-3  # fp32 noise between two implementations is ~1e-5 on these logits
 # An fp32 KV cache: these tests are about the logprobs' bookkeeping (the fp16 cache's ~1e-3 moves
 # of these logits are bounded in tests/models/test_equivalence.py).
 FP32_KV = {"kv_cache_dtype": "float32"}
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoadedWeights, torch.nn.Module]:
-    model = _tiny_model("llama")
-    folder: Path = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(folder)
-    return load_weights(str(folder)), model
 
 
 @torch.inference_mode()
