@@ -114,7 +114,7 @@ class LLMEngine:
             return False
         usable = kernels.supports(self.device, self.config.torch_dtype)
         if reads_kv:
-            usable = usable and self.kv_dtype in kernels.KV_CACHE_DTYPES
+            usable = usable and self.kv_dtype in kernels.KERNEL_KV_DTYPES
         if choice == "kernel" and not usable:
             cache = ", a float32 or float16 KV cache" if reads_kv else ""
             raise ValueError(

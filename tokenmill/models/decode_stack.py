@@ -74,7 +74,7 @@ class DecodeStack:
                 args.k_cache, args.v_cache = k.data_ptr(), v.data_ptr()
             self._kv_caches = kv_caches
             self._shape.block_size = kv_caches[0][0].shape[1]  # [blocks, block_size, kv_heads, head_dim]
-            assert kv_caches[0][0].dtype in kernels.KV_CACHE_DTYPES, kv_caches[0][0].dtype
+            assert kv_caches[0][0].dtype in kernels.KERNEL_KV_DTYPES, kv_caches[0][0].dtype
             self._shape.kv_half = int(kv_caches[0][0].dtype == torch.float16)
         tables, lens = block_tables.contiguous(), context_lens.contiguous()
         cos, sin, cos_local, sin_local = (t.contiguous() for t in (*rope, *local_rope))

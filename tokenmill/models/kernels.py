@@ -140,7 +140,7 @@ GATED_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 
 # The KV-cache elements the attention kernels read (and the decode stack writes).
-KV_CACHE_DTYPES = (torch.float32, torch.float16)
+KERNEL_KV_DTYPES = (torch.float32, torch.float16)
 
 
 def supports(device: torch.device, dtype: torch.dtype) -> bool:

@@ -19,7 +19,7 @@ MAX_PREFILL_QUERY_GROUP = 32
 def _kv_half(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
     """1 for an fp16 cache, 0 for fp32 (the kernels' `kv_half`); queries are fp32."""
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
-    assert q.dtype == torch.float32 and k_cache.dtype in kernels.KV_CACHE_DTYPES, (q.dtype, k_cache.dtype)
+    assert q.dtype == torch.float32 and k_cache.dtype in kernels.KERNEL_KV_DTYPES, (q.dtype, k_cache.dtype)
     return int(k_cache.dtype == torch.float16)
 
 
