@@ -73,10 +73,13 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 # ---- kernels ----------------------------------------------------------------------------------
-# (name, out N, in K, bits): SmolLM2's fused layers, then Gemma 3 270M's as the engine holds them.
+# (name, out N, in K, bits): SmolLM2's fused layers, then Gemma 3 270M's as the engine holds them
+# (its qkv is 5 bits in half the layers, 8 where v_proj is Q8_0; gate_up also at 8 bits, as Q5_0 was
+# held before the 5-bit format, to compare).
 SHAPES = [("qkv", 960, 576, 4), ("o", 576, 576, 4), ("gate_up", 3072, 576, 4), ("down", 576, 1536, 4),
-          ("lm_head", 49152, 576, 8), ("gemma qkv", 1536, 640, 8), ("gemma o", 640, 1024, 4),
-          ("gemma gate_up", 4096, 640, 8), ("gemma down", 640, 2048, 8), ("gemma lm_head", 262144, 640, 8)]
+          ("lm_head", 49152, 576, 8), ("gemma qkv", 1536, 640, 5), ("gemma qkv", 1536, 640, 8),
+          ("gemma o", 640, 1024, 4), ("gemma gate_up", 4096, 640, 5), ("gemma gate_up", 4096, 640, 8),
+          ("gemma down", 640, 2048, 8), ("gemma lm_head", 262144, 640, 8)]
 ROWS = (1, 8, 32, 64, 128, 256)
 
 
@@ -129,7 +132,7 @@ def kernels(args: argparse.Namespace) -> dict:
             if fp32 is not None:
                 rate["fp32"] = m * n * k / _best_seconds(fp32, x, reps) / 1e9
             rate["q % of peak"] = 100 * rate["q"] / top
-            results[f"{name} M={m}"] = rate
+            results[f"{name} q{bits} M={m}"] = rate
             print(f"{name:14s} {n}x{k} q{bits} M={m:3d}: " + ", ".join(
                 f"{key} {value:6.1f}" for key, value in rate.items()), flush=True)
     print(_other(meter))

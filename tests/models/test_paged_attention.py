@@ -76,9 +76,10 @@ def test_an_empty_context_is_an_error_not_garbage() -> None:
 @pytest.mark.parametrize(("kv_heads", "window"), [(1, None), (3, None), (1, 700)])
 def test_few_long_contexts_are_split_across_threads(threads: int, kv_heads: int, window: int | None,
                                                     cache_dtype: torch.dtype) -> None:
-    """Batch 1-2 with long contexts: too few (sequence, KV head) items for the threads, so each
-    context is attended in parts merged by their scores' maxima and totals; one sequence far
-    shorter than the other (parts past its end are empty), one not a whole number of blocks."""
+    """Batch 1-2: too few (sequence, KV head) items for the threads, so each long context is
+    attended in parts merged by their scores' maxima and totals (one sequence far shorter than
+    the other: parts past its end are empty; one not a whole number of blocks), and a context too
+    short to split has its 3 query heads split between tasks (2 + 1 at 2 threads)."""
     assert kernels.supports(CPU, torch.float32)
     gen = torch.Generator().manual_seed(2)
     block_size, group, head_dim, max_blocks = 16, 3, 64, 160
@@ -89,7 +90,7 @@ def test_few_long_contexts_are_split_across_threads(threads: int, kv_heads: int,
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for lens in (torch.tensor([2_500]), torch.tensor([2_557, 300])):
+        for lens in (torch.tensor([2_500]), torch.tensor([2_557, 300]), torch.tensor([200]), torch.tensor([300, 40])):
             n = len(lens)
             got = paged_attention.paged_decode_attention(q[:n], k_cache, v_cache, tables[:n], lens, window)
             want = _reference(q[:n], k_cache, v_cache, tables[:n], lens, window)

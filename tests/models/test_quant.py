@@ -64,7 +64,7 @@ def _run(lib: ctypes.CDLL, layer: QuantizedLinear, x: torch.Tensor) -> torch.Ten
 
 @needs_kernel
 @pytest.mark.parametrize("isa", ["native", "avx2"])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("scales", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("m", "n", "k"),
                          [(1, 8, 32), (3, 40, 64), (4, 16, 96), (5, 40, 64), (7, 136, 320), (130, 24, 64)])
@@ -88,15 +88,19 @@ def test_kernel_computes_the_integer_block_dot_products(
 def test_quantize_round_trips_within_half_a_step() -> None:
     torch.manual_seed(0)
     weight = torch.randn(16, 64)
-    for bits, levels in ((8, 254), (4, 15)):
+    for bits, levels in ((8, 254), (5, 32), (4, 15)):
         q = quantize(weight, bits)
         blocks = weight.reshape(16, 2, 32)
         step = (blocks.amax(-1) - blocks.amin(-1) if bits == 4 else 2 * blocks.abs().amax(-1)) / levels
-        error = (q.dequantize() - weight).abs().reshape(16, 2, 32).amax(-1)
-        assert (error <= step / 2 + 1e-6).all()
+        error = (q.dequantize() - weight).abs().reshape(16, 2, 32)
+        # Q5_0's grid is -16..15 with the largest magnitude at -16: a value past +15.5 steps on the
+        # other side is clamped to 15, at most a step away.
+        clamped = blocks / q.scale[..., None] > 15.5 if bits == 5 else torch.zeros_like(blocks, dtype=torch.bool)
+        assert (error[~clamped] <= (step[..., None] / 2 + 1e-6).expand_as(error)[~clamped]).all()
+        assert (error[clamped] <= (step[..., None] + 1e-6).expand_as(error)[clamped]).all()
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 def test_embedding_rows_read_from_the_packed_layout(bits: int) -> None:
     torch.manual_seed(1)
     w = quantize(torch.randn(48, 96), bits)
@@ -114,7 +118,7 @@ def test_gguf_blocks_become_quantized_weights_exactly(ggml_type: str) -> None:
     values = np.random.default_rng(0).standard_normal((24, 128)).astype(np.float32)
     blocks = gguf_quantize(values, kind)
     got = from_gguf_blocks(blocks, ggml_type, 24, 128)
-    assert got is not None and got.bits == (4 if ggml_type.startswith("Q4") else 8)
+    assert got is not None and got.bits == int(ggml_type[1])
     assert torch.equal(got.dequantize(), torch.from_numpy(dequantize(blocks, kind)))
 
 
@@ -136,11 +140,24 @@ def test_weight_format_decides_what_stays_quantized() -> None:
     proj, head = "model.layers.0.mlp.down_proj.weight", "lm_head.weight"
     assert quant.target_bits("auto", proj, "Q4_1") == 4
     assert quant.target_bits("auto", proj, "Q6_K") == 8
+    assert quant.target_bits("auto", proj, "Q5_0") == 5
+    assert quant.target_bits("q8", proj, "Q5_0") == 8  # widened exactly (see the next test)
     assert quant.target_bits("auto", proj, "F16") is None
     assert quant.target_bits("q4", head, "F32") == 8  # the logits' layer stays 8 bits
     assert quant.target_bits("q4", head, "Q4_K") == 4  # unless the file has it in 4
     assert quant.target_bits("q8", "model.norm.weight", "F32") is None
     assert quant.target_bits("fp32", proj, "Q4_1") is None
+
+
+def test_five_bit_blocks_join_eight_bit_ones_exactly() -> None:
+    """A fused q/k/v whose v is Q8_0 and q, k Q5_0 (half of Gemma 3's Q4_K_M layers) meets at 8
+    bits without rounding; a 4-bit part among them is requantised."""
+    torch.manual_seed(2)
+    five, eight, four = (quantize(torch.randn(8 * n, 64), bits) for n, bits in ((2, 5), (1, 8), (1, 4)))
+    fused = quant.concatenate([five, eight])
+    assert fused.bits == 8 and torch.equal(fused.dequantize(), torch.cat([five.dequantize(), eight.dequantize()]))
+    assert five.exactly_as(8) is not None and four.exactly_as(8) is None and eight.exactly_as(5) is None
+    assert quant.concatenate([five, four]).bits == 8
 
 
 # ---- the engine -----------------------------------------------------------------------------
@@ -235,14 +252,14 @@ def test_fp32_setting_and_machines_without_the_kernel(gguf_path: Path, monkeypat
 @needs_kernel
 @pytest.mark.slow
 def test_gemma3_keeps_its_q4_k_m_blocks(gemma3_gguf_path: Path) -> None:
-    """Gemma 3's Q4_K_M file mixes Q4_K and Q6_K (requantised to 8 bits; a fused q/k/v with both
-    meets at 8) beside a 262k-token table, and scales its embeddings: under auto it stays close to
-    the file's size and to the dequantised model's perplexity (measured: 21.20 vs 21.52 on 2
-    windows)."""
+    """Gemma 3's Q4_K_M file mixes Q4_K, Q5_0, Q8_0 and Q6_K (requantised to 8 bits; a fused
+    q/k/v of Q5_0 and Q8_0 meets at 8) beside a 262k-token table, and scales its embeddings: under
+    auto it stays close to the file's size and to the dequantised model's perplexity (measured:
+    21.20 vs 21.52 on 2 windows)."""
     text = CORPUS.read_text()
     llm = LLM(str(gemma3_gguf_path), max_num_seqs=4)
     model = llm.engine.runner.model
-    assert {m.bits for m in model.modules() if isinstance(m, QuantizedLinear)} == {4, 8}
+    assert {m.bits for m in model.modules() if isinstance(m, QuantizedLinear)} == {4, 5, 8}
     tensors = {**dict(model.named_parameters()), **{n: b for n, b in model.named_buffers() if "rope" not in n}}
     assert sum(t.numel() * t.element_size() for t in tensors.values()) <= 1.3 * gemma3_gguf_path.stat().st_size
     kept = perplexity(llm.engine, text, window=512, max_windows=2)

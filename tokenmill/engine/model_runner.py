@@ -153,10 +153,8 @@ class ModelRunner:
         query_index = torch.where(query_valid, rows[:, None] + q_off, 0)
 
         max_blocks = -(-lk // bs)
-        tables = torch.full((len(spans), max_blocks), self.null_block, dtype=torch.long)
-        for i, s in enumerate(spans):
-            used = -(-s.context_len // bs)
-            tables[i, :used] = torch.tensor(s.block_table[:used])
+        used = [s.block_table[: -(-s.context_len // bs)] for s in spans]  # one tensor built, not one a span
+        tables = torch.tensor([t + [self.null_block] * (max_blocks - len(t)) for t in used], dtype=torch.long)
         # Zeroed even when the kernel (which reads only context) attends them: a block first
         # written on the kernel path may later be gathered by a prefill group.
         self._initialise(tables)

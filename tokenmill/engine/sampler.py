@@ -33,7 +33,7 @@ class Sampler:
         sampled one report the same numbers for the same logits."""
         self._suppress_stops_before_min_tokens(logits, seqs)
         self._apply_grammars(logits, seqs)
-        tokens = logits.argmax(dim=-1)
+        tokens = _argmax_rows(logits)
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows)
@@ -103,6 +103,14 @@ class Sampler:
             filtered[row] = _nucleus(probs[row], int(top_k[row]), float(top_p[row]))
         filtered[unfiltered] = probs[unfiltered]
         return filtered
+
+
+def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest logit (a NaN counts as largest, as in torch). numpy's: torch's CPU
+    argmax took 0.44 ms over Gemma 3's 262k logits, numpy's 0.025 (3% of a batch-1 decode step)."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu":
+        return logits.argmax(dim=-1)
+    return torch.from_numpy(logits.numpy().argmax(axis=-1))
 
 
 # Tokens sorted per sampled row before top-p looks further (a nucleus is rarely wider).

@@ -281,7 +281,7 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=cfg.is_gemma3)
 
 
-_FUSED = {
+FUSED_PROJECTIONS = {  # this model's fused linear -> the Hugging Face projections it stacks
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
@@ -289,7 +289,7 @@ _FUSED = {
 
 def fuse_projections(state_dict: dict[str, Weight]) -> dict[str, Weight]:
     """Hugging Face names -> this model's: q/k/v and gate/up weights concatenated."""
-    parts = {part for group in _FUSED.values() for part in group}
+    parts = {part for group in FUSED_PROJECTIONS.values() for part in group}
     fused: dict[str, Weight] = {}
     for name, tensor in state_dict.items():
         prefix, _, rest = name.partition(".layers.")
@@ -298,7 +298,7 @@ def fuse_projections(state_dict: dict[str, Weight]) -> dict[str, Weight]:
         if module_path not in parts:
             fused[name] = tensor
             continue
-        for target, group in _FUSED.items():
+        for target, group in FUSED_PROJECTIONS.items():
             if module_path == group[0]:
                 sources = [f"{prefix}.layers.{layer}.{g}.{kind}" for g in group]
                 fused[f"{prefix}.layers.{layer}.{target}.{kind}"] = _concatenate([state_dict[s] for s in sources])

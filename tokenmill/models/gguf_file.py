@@ -148,8 +148,9 @@ def _hf_quantized(info: TensorInfo, data: np.ndarray, hf_name: str, arch: str, c
     """The weight as `bits`-bit blocks: the file's own where its type maps exactly, otherwise
     quantised from its fp32 values."""
     n, k = info.shape[1], info.shape[0]  # GGUF shapes are innermost first
-    quantized = from_gguf_blocks(_tensor_bytes(info, data), info.type_name, n, k)
-    if quantized is None or quantized.bits != bits:
+    blocks = from_gguf_blocks(_tensor_bytes(info, data), info.type_name, n, k)
+    quantized = None if blocks is None else blocks.exactly_as(bits)
+    if quantized is None:
         return quantize(_hf_tensor(info, data, hf_name, arch, config), bits)
     heads = _permuted_heads(hf_name, arch, config)
     return quantized if heads is None else quantized.permute_rows(_unpermute(torch.arange(n)[:, None], heads)[:, 0])

@@ -17,6 +17,7 @@ from typing import Any
 
 from tokenmill.gguf_header import GGUFHeader, read_gguf_header
 from tokenmill.models.config import ModelConfig
+from tokenmill.models.decoder import FUSED_PROJECTIONS
 from tokenmill.models.gguf_file import ROPE_FREQS, gguf_config, hf_tensor_name, refuse_unrunnable
 from tokenmill.models.loader import (
     check_folder,
@@ -26,7 +27,7 @@ from tokenmill.models.loader import (
     safetensors_header,
     weight_files,
 )
-from tokenmill.models.quant import held_as
+from tokenmill.models.quant import held_as, target_bits
 
 # The KV cache dtypes whose size per token is reported.
 KV_DTYPE_BYTES = {"fp32": 4, "fp16": 2}
@@ -109,8 +110,21 @@ def _held_as(header: GGUFHeader) -> dict[str, int]:
         names = {name: hf_tensor_name(name, arch) for name in header.tensors if name != ROPE_FREQS}
     except ValueError:  # a tensor the loader has no name for: the file does not run (see reason)
         return {}
-    return _most_first(held_as("auto", names[name], info.type_name, info.shape)
-                       for name, info in header.tensors.items() if name in names)
+    kept = {name: held_as("auto", names[name], info.type_name, info.shape)
+            for name, info in header.tensors.items() if name in names}
+    # A fused projection (q/k/v, gate/up) whose parts the loader keeps at different widths is kept
+    # at 8 bits as a whole (quant.concatenate): each part as the q8 setting would keep it.
+    by_hf_name = {hf: name for name, hf in names.items()}
+    for hf_name in by_hf_name:
+        for parts in FUSED_PROJECTIONS.values():
+            if not hf_name.endswith(f".{parts[0]}.weight"):
+                continue
+            prefix = hf_name.removesuffix(f"{parts[0]}.weight")
+            members = [by_hf_name[f"{prefix}{part}.weight"] for part in parts if f"{prefix}{part}.weight" in by_hf_name]
+            tensors = [header.tensors[member] for member in members]
+            if len({target_bits("auto", names[t.name], t.type_name, len(t.shape)) for t in tensors}) > 1:
+                kept.update({t.name: held_as("q8", names[t.name], t.type_name, t.shape) for t in tensors})
+    return _most_first(kept.values())
 
 
 def _describe_folder(folder: Path) -> ModelInfo:

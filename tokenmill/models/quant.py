@@ -1,11 +1,13 @@
 """Weights kept quantised in memory: blocks of 32 along the input dimension, run by
 csrc/quant_gemm.c.
 
-Two formats, both with an fp32 scale per block (and, for 4 bits, an fp32 minimum):
-- q8: value = scale · q, q in [-127, 127] (llama.cpp's Q8_0; Q4_0 fits it exactly too);
+Three formats, each with an fp32 scale per block (and, for 4 bits, an fp32 minimum):
+- q8: value = scale · q, q in [-127, 127] (llama.cpp's Q8_0);
+- q5: value = scale · q, q in [-16, 15] (llama.cpp's Q5_0; fits q8 exactly, so mixed with 8-bit
+  parts in a fused projection it simply becomes 8 bits);
 - q4: value = scale · q + min, q in [0, 15] (Q4_0, Q4_1 and Q4_K's sub-blocks all fit exactly).
 A GGUF's blocks of those types become these without a round trip through fp32; anything else
-(fp32/bf16 weights, other GGUF types) is quantised from fp32 at load (`quantize`).
+(fp32/bf16 weights, other GGUF types) is quantised from fp32 at load (`quantize`, 4 or 8 bits).
 
 `Quantized` is the unpacked form the loader hands over (one value per byte, rows in the
 Hugging Face order, so q/k rows can be permuted and q/k/v concatenated like fp32 weights).
@@ -25,7 +27,10 @@ from tokenmill.models.weight_formats import WEIGHT_FORMATS as WEIGHT_FORMATS  # 
 
 BLOCK = 32
 _FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
-_EIGHT_BIT = ("Q8_0", "Q5_0")  # the other GGUF types from_gguf_blocks maps exactly (to 8 bits)
+_FIVE_BIT = ("Q5_0",)
+_EIGHT_BIT = ("Q8_0",)
+# The GGUF types from_gguf_blocks maps exactly, by the bits it keeps them in.
+_EXACT = {4: _FOUR_BIT, 5: _FIVE_BIT, 8: _EIGHT_BIT}
 _FLOAT = ("F32", "F16", "BF16", "F64")
 # Weights read by a token id, or producing the logits: kept at 8 bits under q4 (as llama.cpp's
 # 4-bit presets keep the output layer wider) unless the file already has them in 4 bits.
@@ -34,8 +39,8 @@ EMBEDDING_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 
 @dataclass
 class Quantized:
-    """A [N, K] weight: q uint8 (4 bits) or int8 (8 bits) [N, K]; scale (and min, 4 bits only)
-    fp32 [N, K / 32]."""
+    """A [N, K] weight: q uint8 (4 bits) or int8 (5 and 8 bits) [N, K]; scale (and min, 4 bits
+    only) fp32 [N, K / 32]."""
 
     bits: int
     q: torch.Tensor
@@ -56,6 +61,13 @@ class Quantized:
     def permute_rows(self, order: torch.Tensor) -> Quantized:
         return Quantized(self.bits, self.q[order], self.scale[order], None if self.min is None else self.min[order])
 
+    def exactly_as(self, bits: int) -> Quantized | None:
+        """The same values in `bits`-bit blocks where no rounding is needed (5 bits widen to 8 as
+        they are), else None."""
+        if bits == self.bits:
+            return self
+        return Quantized(8, self.q, self.scale) if (self.bits, bits) == (5, 8) else None
+
 
 Weight = torch.Tensor | Quantized  # a state dict's value once the loader may keep blocks
 
@@ -63,12 +75,14 @@ Weight = torch.Tensor | Quantized  # a state dict's value once the loader may ke
 def target_bits(setting: str, name: str, source_type: str, ndim: int = 2) -> int | None:
     """The bits a weight is kept in under `setting` (None: fp32). `source_type`: its GGUF type name
     ("Q4_K", "F16", ...), "F32" for safetensors weights. auto keeps a quantised file quantised:
-    4-bit types in 4 bits (exactly), Q8_0 and Q5_0 in 8 (exactly), other types (Q5_1, Q6_K...) in 8
+    4-bit types in 4 bits, Q5_0 in 5 and Q8_0 in 8 (all exactly), other types (Q5_1, Q6_K...) in 8
     (requantised)."""
     if setting == "fp32" or ndim != 2 or not (name.endswith("_proj.weight") or name in EMBEDDING_NAMES):
         return None
     if setting == "auto":
-        return None if source_type in _FLOAT else 4 if source_type in _FOUR_BIT else 8
+        if source_type in _FLOAT:
+            return None
+        return next((bits for bits, types in _EXACT.items() if source_type in types), 8)
     if setting == "q4" and (name not in EMBEDDING_NAMES or source_type in _FOUR_BIT):
         return 4
     return 8
@@ -80,8 +94,10 @@ def held_as(setting: str, name: str, source_type: str, shape: tuple[int, ...]) -
     bits = target_bits(setting, name, source_type, len(shape))
     if bits is None or not fits_kernel(*reversed(shape)):
         return source_type if source_type == "F32" else f"fp32 (dequantised from {source_type})"
-    if source_type in (_FOUR_BIT if bits == 4 else _EIGHT_BIT):
+    if source_type in _EXACT[bits]:
         return f"{bits}-bit blocks, as in the file"
+    if bits == 8 and source_type in _FIVE_BIT:
+        return f"8-bit blocks (widened exactly from {source_type})"
     return f"{bits}-bit blocks (requantised from {source_type})"
 
 
@@ -98,13 +114,17 @@ def quantize_linear_weights(state: dict[str, Weight], setting: str) -> dict[str,
 
 
 def quantize(weight: torch.Tensor, bits: int) -> Quantized:
-    """Round-to-nearest blocks of 32: symmetric for 8 bits (Q8_0), min/max for 4 bits (Q4_1)."""
+    """Round-to-nearest blocks of 32: symmetric for 8 bits (Q8_0), for 5 bits the block's value of
+    largest magnitude at -16 (Q5_0's grid, -16..15: its scale may be negative), min/max for 4 bits
+    (Q4_1)."""
     n, k = weight.shape
     blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
-    if bits == 8:
-        scale = blocks.abs().amax(-1) / 127
-        q = torch.round(blocks / torch.where(scale > 0, scale, 1)[..., None]).clamp(-127, 127)
-        return Quantized(8, q.to(torch.int8).reshape(n, k), scale)
+    if bits in (5, 8):
+        extreme = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))[..., 0]
+        scale = extreme.abs() / 127 if bits == 8 else extreme / -16
+        low, high = (-127, 127) if bits == 8 else (-16, 15)
+        q = torch.round(blocks / torch.where(scale != 0, scale, 1)[..., None]).clamp(low, high)
+        return Quantized(bits, q.to(torch.int8).reshape(n, k), scale)
     low, high = blocks.amin(-1), blocks.amax(-1)
     scale = (high - low) / 15
     q = torch.round((blocks - low[..., None]) / torch.where(scale > 0, scale, 1)[..., None]).clamp(0, 15)
@@ -112,10 +132,10 @@ def quantize(weight: torch.Tensor, bits: int) -> Quantized:
 
 
 def concatenate(parts: list[Quantized]) -> Quantized:
-    """Stacked along N (fused q/k/v or gate/up). Mixed widths meet at 8 bits: a 4-bit part is
-    requantised (its values fit 8 bits up to the rounding of an asymmetric grid)."""
+    """Stacked along N (fused q/k/v or gate/up). Mixed widths meet at 8 bits: a 5-bit part as it
+    is, a 4-bit part requantised (its values fit 8 bits up to the rounding of an asymmetric grid)."""
     if len({p.bits for p in parts}) > 1:
-        parts = [p if p.bits == 8 else quantize(p.dequantize(), 8) for p in parts]
+        parts = [p.exactly_as(8) or quantize(p.dequantize(), 8) for p in parts]
     mins = [p.min for p in parts]
     return Quantized(
         parts[0].bits, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
@@ -147,6 +167,18 @@ def pack_q4(q: torch.Tensor) -> torch.Tensor:
     return (groups[:, :, :4] | (groups[:, :, 4:] << 4)).reshape(n // 8, k // BLOCK, 4, 32).contiguous()
 
 
+def pack_q5(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] in -16..15 -> uint8 [N/8, K/32, 160]: u = q + 16's low four bits as pack_q4
+    (128 bytes), then a 32-byte plane of fifth bits: bit j of byte i is the fifth bit of k-group j's
+    value at byte i of its vector (column i / 4, k i % 4), so one shift and one AND give a vector's."""
+    n, k = q.shape
+    u = (q.to(torch.int16) + 16).to(torch.uint8)
+    fifth = (u >> 4).reshape(n // 8, 8, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)  # [N/8, KB, group, col, k]
+    plane = (fifth << torch.arange(8, dtype=torch.uint8)[:, None, None]).sum(2, dtype=torch.uint8)
+    nibbles = pack_q4(u & 0x0F).reshape(n // 8, k // BLOCK, 128)
+    return torch.cat((nibbles, plane.reshape(n // 8, k // BLOCK, 32)), dim=-1).contiguous()
+
+
 def pack_block_values(values: torch.Tensor) -> torch.Tensor:
     """scale/min [N, K/32] -> [N/8, K/32, 8]."""
     n, kb = values.shape
@@ -169,7 +201,7 @@ class QuantizedLinear(nn.Module):
         if not fits_kernel(self.out_features, self.in_features):
             raise ValueError(f"quantised linear {quantized.shape}: out_features must be a multiple of 8, "
                              f"in_features of {BLOCK}")
-        self.register_buffer("weight", pack_q4(quantized.q) if self.bits == 4 else pack_q8(quantized.q))
+        self.register_buffer("weight", _PACKERS[self.bits](quantized.q))
         # fp16 scales and minimums where every one survives the trip (a GGUF's Q4_0, Q4_1 and Q8_0
         # blocks: the file holds them in fp16): a step then reads 20 bytes per 4-bit block, not 24.
         values = [t for t in (quantized.scale, quantized.min) if t is not None]
@@ -213,9 +245,16 @@ class QuantizedLinear(nn.Module):
         kb = self.in_features // BLOCK
         if self.bits == 8:
             q = self.weight[group, :, col, :].reshape(len(ids), kb, BLOCK)  # [T, K/4, 4] -> blocks
+        elif self.bits == 4:
+            q = _unpack_nibbles(self.weight.view(-1, kb, 4, 8, 4)[group, :, :, col, :], len(ids), kb)
         else:
-            packed = self.weight.view(-1, kb, 4, 8, 4)[group, :, :, col, :]  # [T, KB, 4, 4]
-            q = torch.cat((packed & 0x0F, packed >> 4), dim=2).reshape(len(ids), kb, BLOCK)
+            packed = self.weight[group]  # [T, KB, 160]
+            low = _unpack_nibbles(packed[..., :128].reshape(-1, kb, 4, 8, 4)[torch.arange(len(ids)), :, :, col, :],
+                                  len(ids), kb)
+            plane = packed[..., 128:].reshape(-1, kb, 8, 4)[torch.arange(len(ids)), :, col, :]  # [T, KB, 4 k]
+            fifth = (plane[:, :, None, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1  # [T, KB, group, k]
+            fifth = fifth.reshape(len(ids), kb, BLOCK)
+            q = (low | (fifth << 4)).to(torch.int16) - 16
         values = q.float() * self.scale[group, :, col].float()[..., None]
         if self.min is not None:
             values = values + self.min[group, :, col].float()[..., None]
@@ -223,6 +262,15 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
+
+
+_PACKERS = {4: pack_q4, 5: pack_q5, 8: pack_q8}
+
+
+def _unpack_nibbles(packed: torch.Tensor, rows: int, kb: int) -> torch.Tensor:
+    """[T, KB, 4, 4] bytes of one column (vector p's 4 k) -> [T, KB, 32] values: k-groups 0-3 in
+    the low nibbles, 4-7 in the high ones."""
+    return torch.cat((packed & 0x0F, packed >> 4), dim=2).reshape(rows, kb, BLOCK)
 
 
 class QuantizedEmbedding(nn.Module):
@@ -257,7 +305,7 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 
 
 def from_gguf_blocks(raw: np.ndarray, ggml_type: str, n: int, k: int) -> Quantized | None:
-    """Q8_0, Q5_0 (as 8 bits), Q4_0, Q4_1 and Q4_K row bytes [N, row_bytes] as a Quantized without
+    """Q8_0, Q5_0, Q4_0, Q4_1 and Q4_K row bytes [N, row_bytes] as a Quantized without
     fp32; None for other types. Layouts as in ggml-common.h."""
     rows = np.ascontiguousarray(raw).reshape(n, -1)
     if ggml_type == "Q8_0":  # 2-byte fp16 d, 32 int8
@@ -267,7 +315,7 @@ def from_gguf_blocks(raw: np.ndarray, ggml_type: str, n: int, k: int) -> Quantiz
         b = rows.reshape(n, k // 32, 22)
         high = np.unpackbits(b[..., 2:6], axis=-1, bitorder="little")  # bit j of the uint32: element j's
         q = _nibbles(b[..., 6:], n, k).reshape(n, k // 32, 32) | (high << 4)
-        return Quantized(8, _t((q.astype(np.int16) - 16).astype(np.int8).reshape(n, k)), _t(_f16(b[..., :2])[..., 0]))
+        return Quantized(5, _t((q.astype(np.int16) - 16).astype(np.int8).reshape(n, k)), _t(_f16(b[..., :2])[..., 0]))
     if ggml_type in ("Q4_0", "Q4_1"):  # d (and m) fp16, then 16 bytes: element j low nibble, j+16 high
         head = 2 if ggml_type == "Q4_0" else 4
         b = rows.reshape(n, k // 32, head + 16)

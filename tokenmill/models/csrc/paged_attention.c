@@ -8,7 +8,9 @@
  *
  * Few sequences (batch 1-2) leave threads idle: Gemma 3 270M has one KV head, so one thread
  * attended a whole 2,048-token context alone. Then each context is split into parts attended as
- * tasks of their own and merged by their scores' maxima and totals (split_context, combine_parts).
+ * tasks of their own and merged by their scores' maxima and totals (split_context, combine_parts),
+ * and where that still leaves threads idle (a context too short to split), the KV head's query
+ * heads are split between tasks, each reading the shared K/V rows.
  *
  * Layouts (all contiguous; q and out fp32, the caches fp32 or, with kv_half, fp16):
  *   q, out           [num_seqs, num_kv_heads * group, head_dim] (the team body takes row strides)
@@ -214,12 +216,18 @@ void paged_attention_team(const float *q, int64_t q_stride, const void *k_cache,
             return;  /* every thread sees the same NULL: none waits at a barrier the others skip */
         }
     }
+    /* Query heads a task attends: all the KV head's, unless the tasks are fewer than the threads. */
+    const int64_t threads = omp_get_num_threads(), kv_tasks = items * parts;
+    const int head_chunks = kv_tasks >= threads ? 1 : (int)(group < threads / kv_tasks ? group : threads / kv_tasks);
+    const int chunk_heads = (group + head_chunks - 1) / head_chunks;
     float *scores = NULL;
     int64_t capacity = 0;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < items * parts; task++) {
-        const int64_t item = task / parts, seq = item / num_kv_heads;
-        const int kv_head = (int)(item % num_kv_heads), part = (int)(task % parts);
+    for (int64_t task = 0; task < kv_tasks * head_chunks; task++) {
+        const int64_t item = task / head_chunks / parts, seq = item / num_kv_heads;
+        const int kv_head = (int)(item % num_kv_heads), part = (int)(task / head_chunks % parts);
+        const int first_head = (int)(task % head_chunks) * chunk_heads;
+        const int last_head = first_head + chunk_heads < group ? first_head + chunk_heads : group;
         const int64_t len = context_lens[seq], start = context_start(len, window);
         const int64_t first = parts > 1 ? start + part * part_keys : start;
         const int64_t last = parts > 1 && first + part_keys < len ? first + part_keys : len;
@@ -239,7 +247,7 @@ void paged_attention_team(const float *q, int64_t q_stride, const void *k_cache,
             (const char *)k_cache + element * kv_head * head_dim, (const char *)v_cache + element * kv_head * head_dim,
             block_tables + seq * max_blocks, row_bytes, block_size * row_bytes, first, last, block_size,
         };
-        for (int g = 0; g < group; g++) {
+        for (int g = first_head; g < last_head; g++) {
             const int64_t head = (int64_t)(kv_head * group + g) * head_dim;
             const float *qh = q + seq * q_stride + head;
             if (parts == 1) {

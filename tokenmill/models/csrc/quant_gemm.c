@@ -5,11 +5,14 @@
  * quantised to int8 per row and per block of 32 on the way in (as llama.cpp does), so the inner
  * loop is integer dot products (`maddubs`), which also beat fp32 FMA on compute at prefill size.
  *
- * Weight layouts (built by tokenmill/models/quant.py, `pack_q4` / `pack_q8`), for each group
+ * Weight layouts (built by tokenmill/models/quant.py, `pack_q4`, `pack_q5`, `pack_q8`), for each group
  * of 8 output columns and each block of 32 along K:
  *   q8: int8  [N/8][K/32][8 vectors][8 cols][4 k]    value = scale · q,  q in [-127, 127]
  *   q4: uint8 [N/8][K/32][4 vectors][8 cols][4 k]    two nibbles per byte: vector p holds k-group p
  *       in its low nibbles and k-group p+4 in its high ones;  value = scale · q + min,  q in [0, 15]
+ *   q5: uint8 [N/8][K/32][160]   q4's 128 bytes of low nibbles, then a 32-byte plane of fifth bits
+ *       (bit j of byte i: k-group j's, at byte i of its vector);  value = scale · (q - 16),  q in [0, 31]
+ *       (llama.cpp's Q5_0: 5.5 bits a weight where 8-bit blocks would take 8.5)
  *   scale, min: fp32 or fp16 [N/8][K/32][8 cols] (fp16 where that holds them exactly: a GGUF's
  *               blocks carry fp16 ones, and 4 bytes fewer per block is 17% less to read at 4 bits)
  * A 32-byte vector is 8 columns × 4 consecutive k: one maddubs against the row's 4 int8
@@ -18,7 +21,7 @@
  *
  * Activations: x fp32 [M, K] is quantised into scratch of the calling thread: xq int8 [M, K],
  * xs (scale) and xsum (scale · Σq, the rounded block's sum, for the q4 min term) fp32 [M, K/32], and
- * xqsum, the block's sum of int8 values (int32 [M, K/32]), for the VNNI path's q8 offset.
+ * xqsum, the block's sum of int8 values (int32 [M, K/32]), for the q5 offset and the VNNI path's q8 one.
  *
  * Two instruction paths over the same layouts:
  * - AVX2: `maddubs` (u8 × s8 pairs summed into int16) then `madd` to widen: three instructions per
@@ -189,6 +192,59 @@ static inline __attribute__((always_inline)) void q8_tile(
     store_tile(acc, bias, y, N, accumulate, R);
 }
 
+/* The fifth bits of k-group j (0..7) from a q5 block's plane, as 0x10 or 0 in each byte. */
+static inline __attribute__((always_inline)) __m256i fifth_bits(__m256i plane, const int j) {
+    const __m256i at_bit_4 = j < 4 ? _mm256_slli_epi16(plane, 4 - j) : j > 4 ? _mm256_srli_epi16(plane, j - 4) : plane;
+    return _mm256_and_si256(at_bit_4, _mm256_set1_epi8(0x10));
+}
+
+/* Vector p of a q5 block as two vectors of q in [0, 31]: k-group p's and k-group p+4's. */
+static inline __attribute__((always_inline)) void q5_vectors(const uint8_t *wp, __m256i plane, const int p,
+                                                             __m256i *lo, __m256i *hi) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)(wp + 32 * p));
+    *lo = _mm256_or_si256(_mm256_and_si256(packed, low), fifth_bits(plane, p));
+    *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low), fifth_bits(plane, p + 4));
+}
+
+/* R rows (<= Q4_ROW_TILE) × one 8-column group of 5-bit weights: Σ q·x, less 16 · Σ x_q. */
+static inline __attribute__((always_inline)) void q5_tile(
+    const int8_t *xq, const float *xs, const int32_t *xqsum, const uint8_t *w, const void *ws,
+    const float *bias, float *y, int K, int N, int accumulate, const int half, const int R) {
+    const int KB = K / BLOCK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[ROW_TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int kb = 0; kb < KB; kb++) {
+        const uint8_t *wp = w + (int64_t)kb * 160;
+        const __m256i plane = _mm256_loadu_si256((const __m256i *)(wp + 128));
+        __m256i sums[ROW_TILE];
+        for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
+        for (int pair = 0; pair < 2; pair++) {
+            /* 31 · 127 · 2 per lane and maddubs, four of them: fits int16 (31496), then widened. */
+            __m256i s16[ROW_TILE];
+            for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
+            for (int p = 2 * pair; p < 2 * pair + 2; p++) {
+                __m256i lo, hi;
+                q5_vectors(wp, plane, p, &lo, &hi);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xr = xq + (int64_t)r * K + kb * BLOCK;
+                    s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, broadcast4(xr + 4 * p)));
+                    s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, broadcast4(xr + 4 * p + 16)));
+                }
+            }
+            for (int r = 0; r < R; r++) sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(s16[r], ones));
+        }
+        const __m256 scale = load_values(ws, kb * 8, half);
+        for (int r = 0; r < R; r++) {
+            const __m256i dot = _mm256_sub_epi32(sums[r], _mm256_set1_epi32(16 * xqsum[r * KB + kb]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(xs[r * KB + kb])),
+                                     acc[r]);
+        }
+    }
+    store_tile(acc, bias, y, N, accumulate, R);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define VNNI 1
 #define GROUP_TILE 2  /* 8-column groups per VNNI tile */
@@ -258,11 +314,13 @@ static inline __attribute__((always_inline)) void q4_tile_vnni(
     store_groups(acc, bias, y, N, accumulate, R, G);
 }
 
-/* R rows × G 8-column groups of 8-bit weights (VNNI): w + 128 against x, less 128 · Σ x_q. */
+/* R rows × G 8-column groups of 8-bit weights (VNNI): w + 128 against x, less 128 · Σ x_q. With
+ * offset 16, the weights are unpacked q5 ones (q in [0, 31], already unsigned): q against x, less
+ * 16 · Σ x_q. */
 static inline __attribute__((always_inline)) void q8_tile_vnni(
-    const int8_t *xq, const float *xs, const int32_t *xqsum, const int8_t *w, int64_t gw, const void *ws,
+    const int8_t *xq, const float *xs, const int32_t *xqsum, const void *w, int64_t gw, const void *ws,
     int64_t gv, const float *bias, float *y, int K, int N, int accumulate, const int half, const int R,
-    const int G) {
+    const int G, const int offset) {
     const int KB = K / BLOCK, NC = CHAINS(R);
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     __m256 acc[ROW_TILE][GROUP_TILE];
@@ -275,9 +333,10 @@ static inline __attribute__((always_inline)) void q8_tile_vnni(
                 for (int c = 0; c < NC; c++) sums[r][g][c] = _mm256_setzero_si256();
         for (int v = 0; v < 8; v++) {
             __m256i wv[GROUP_TILE];
-            for (int g = 0; g < G; g++)
-                wv[g] = _mm256_xor_si256(
-                    _mm256_loadu_si256((const __m256i *)(w + g * gw + (int64_t)kb * 256 + 32 * v)), flip);
+            for (int g = 0; g < G; g++) {
+                wv[g] = _mm256_loadu_si256((const __m256i *)((const int8_t *)w + g * gw + (int64_t)kb * 256 + 32 * v));
+                if (offset == 128) wv[g] = _mm256_xor_si256(wv[g], flip);
+            }
             for (int r = 0; r < R; r++) {
                 const __m256i xv = broadcast4(xq + (int64_t)r * K + kb * BLOCK + 4 * v);
                 for (int g = 0; g < G; g++) sums[r][g][v % NC] = _mm256_dpbusd_epi32(sums[r][g][v % NC], wv[g], xv);
@@ -287,7 +346,7 @@ static inline __attribute__((always_inline)) void q8_tile_vnni(
             const __m256 scale = load_values(ws, g * gv + kb * 8, half);
             for (int r = 0; r < R; r++) {
                 const __m256i dot = _mm256_sub_epi32(chain_sum(sums[r][g], NC),
-                                                     _mm256_set1_epi32(128 * xqsum[r * KB + kb]));
+                                                     _mm256_set1_epi32(offset * xqsum[r * KB + kb]));
                 acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                             _mm256_mul_ps(scale, _mm256_set1_ps(xs[r * KB + kb])), acc[r][g]);
             }
@@ -305,6 +364,45 @@ static inline __attribute__((always_inline)) void q8_tile_vnni(
         case 3: CALL(HALF, 3, G); break;       \
         default: CALL(HALF, 4, G); break;      \
     }
+/* The VNNI tile for `rows` rows and `G` (1 or 2) groups, at the layer's scale width. */
+#define VNNI_TILE(CALL)                                                                   \
+    {                                                                                     \
+        if (G == 2) {                                                                     \
+            if (layer->half_scales) VNNI_SWITCH(CALL, 1, 2) else VNNI_SWITCH(CALL, 0, 2)  \
+        } else {                                                                          \
+            if (layer->half_scales) VNNI_SWITCH(CALL, 1, 1) else VNNI_SWITCH(CALL, 0, 1)  \
+        }                                                                                 \
+    }
+
+/* The unpacked q5 groups of a VNNI tile, one buffer per thread of the team, grown as needed. */
+static __thread uint8_t *panel;
+static __thread size_t panel_bytes;
+
+/* G q5 groups' blocks unpacked to the q8 layout ([G][KB][8 vectors][32], q in [0, 31]), so the VNNI
+ * tile reads them as 8-bit weights: the unpacking is paid once for every row of the chunk, not once
+ * a tile of 4. NULL when out of memory (the caller takes the AVX2 tile instead). */
+static const uint8_t *unpacked_q5(const uint8_t *w, int64_t gw, int KB, int G) {
+    const size_t bytes = (size_t)G * KB * 256;
+    if (bytes > panel_bytes) {
+        free(panel);
+        panel = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        panel_bytes = panel ? bytes : 0;
+        if (!panel) return NULL;
+    }
+    for (int g = 0; g < G; g++)
+        for (int kb = 0; kb < KB; kb++) {
+            const uint8_t *wp = w + g * gw + (int64_t)kb * 160;
+            uint8_t *out = panel + ((int64_t)g * KB + kb) * 256;
+            const __m256i plane = _mm256_loadu_si256((const __m256i *)(wp + 128));
+            for (int p = 0; p < 4; p++) {
+                __m256i lo, hi;
+                q5_vectors(wp, plane, p, &lo, &hi);
+                _mm256_storeu_si256((__m256i *)(out + 32 * p), lo);
+                _mm256_storeu_si256((__m256i *)(out + 32 * (p + 4)), hi);
+            }
+        }
+    return panel;
+}
 #else
 #define VNNI 0
 #define GROUP_TILE 1
@@ -329,50 +427,42 @@ size_t quant_linear_scratch_bytes(int M, int K) {
  * (where built), else the AVX2 ones. */
 static void group_rows(const QuantLinear *layer, const int8_t *xq, const float *xs, const float *xsum,
                        const int32_t *xqsum, float *y, int m0, int m1, int g, int G, int accumulate, int vnni) {
-    const int N = layer->out_features, K = layer->in_features, KB = K / BLOCK;
+    const int N = layer->out_features, K = layer->in_features, KB = K / BLOCK, bits = layer->bits;
     const int64_t gv = (int64_t)KB * 8, value_bytes = layer->half_scales ? 2 : 4;
+    const int64_t gw = (int64_t)KB * (bits == 4 ? 128 : bits == 5 ? 160 : 256);  /* a group's weight bytes */
+    const uint8_t *w = (const uint8_t *)layer->weight + g * gw;
     const void *gs = (const char *)layer->scale + g * gv * value_bytes;
     const void *gm = layer->min ? (const char *)layer->min + g * gv * value_bytes : 0;
     const float *gb = layer->bias ? layer->bias + 8 * g : 0;
-    const int tile = vnni || layer->bits == 8 ? ROW_TILE : Q4_ROW_TILE;
-    (void)xqsum, (void)gv;
+#if VNNI
+    const uint8_t *unpacked = vnni && bits == 5 ? unpacked_q5(w, gw, KB, G) : NULL;
+    vnni = vnni && (bits != 5 || unpacked);
+#endif
+    const int tile = vnni || bits == 8 ? ROW_TILE : Q4_ROW_TILE;
+    (void)gv;
     for (int m = m0; m < m1; m += tile) {
         const int rows = m1 - m;
         const int8_t *xm = xq + (int64_t)m * K;
         const float *sm = xs + (int64_t)m * KB, *tm = xsum + (int64_t)m * KB;
+        const int32_t *qm = xqsum + (int64_t)m * KB;
         float *ym = y + (int64_t)m * N + 8 * g;
-        if (layer->bits == 4) {
-            const int64_t gw = (int64_t)KB * 128;
-            const uint8_t *w = (const uint8_t *)layer->weight + g * gw;
 #if VNNI
 #define Q4V(H, R, G) q4_tile_vnni(xm, sm, tm, w, gw, gs, gm, gv, gb, ym, K, N, accumulate, H, R, G)
-            if (vnni && G == 2) {
-                if (layer->half_scales) VNNI_SWITCH(Q4V, 1, 2) else VNNI_SWITCH(Q4V, 0, 2)
-                continue;
-            }
-            if (vnni) {
-                if (layer->half_scales) VNNI_SWITCH(Q4V, 1, 1) else VNNI_SWITCH(Q4V, 0, 1)
-                continue;
-            }
+#define Q5V(H, R, G) q8_tile_vnni(xm, sm, qm, unpacked, (int64_t)KB * 256, gs, gv, gb, ym, K, N, accumulate, H, R, G, 16)
+#define Q8V(H, R, G) q8_tile_vnni(xm, sm, qm, w, gw, gs, gv, gb, ym, K, N, accumulate, H, R, G, 128)
+        if (vnni) {
+            if (bits == 4) VNNI_TILE(Q4V) else if (bits == 5) VNNI_TILE(Q5V) else VNNI_TILE(Q8V)
+            continue;
+        }
 #endif
 #define Q4(H, R) q4_tile(xm, sm, tm, w, gs, gm, gb, ym, K, N, accumulate, H, R)
+#define Q5(H, R) q5_tile(xm, sm, qm, w, gs, gb, ym, K, N, accumulate, H, R)
+#define Q8(H, R) q8_tile(xm, sm, (const int8_t *)w, gs, gb, ym, K, N, accumulate, H, R)
+        if (bits == 4) {
             if (layer->half_scales) TILE_SWITCH(Q4, Q4_ROW_TILE, 1) else TILE_SWITCH(Q4, Q4_ROW_TILE, 0)
+        } else if (bits == 5) {
+            if (layer->half_scales) TILE_SWITCH(Q5, Q4_ROW_TILE, 1) else TILE_SWITCH(Q5, Q4_ROW_TILE, 0)
         } else {
-            const int64_t gw = (int64_t)KB * 256;
-            const int8_t *w = (const int8_t *)layer->weight + g * gw;
-#if VNNI
-            const int32_t *qm = xqsum + (int64_t)m * KB;
-#define Q8V(H, R, G) q8_tile_vnni(xm, sm, qm, w, gw, gs, gv, gb, ym, K, N, accumulate, H, R, G)
-            if (vnni && G == 2) {
-                if (layer->half_scales) VNNI_SWITCH(Q8V, 1, 2) else VNNI_SWITCH(Q8V, 0, 2)
-                continue;
-            }
-            if (vnni) {
-                if (layer->half_scales) VNNI_SWITCH(Q8V, 1, 1) else VNNI_SWITCH(Q8V, 0, 1)
-                continue;
-            }
-#endif
-#define Q8(H, R) q8_tile(xm, sm, w, gs, gb, ym, K, N, accumulate, H, R)
             if (layer->half_scales) TILE_SWITCH(Q8, ROW_TILE, 1) else TILE_SWITCH(Q8, ROW_TILE, 0)
         }
     }
@@ -402,11 +492,11 @@ void quant_linear_team(const QuantLinear *layer, const float *x, float *y, int M
     }
 }
 
-/* bits: 4 or 8 (wm unused for 8); half_scales: ws and wm are fp16. Returns 0, -1 when N is not a
- * multiple of 8, K of 32, or bits is neither, -3 when out of memory. */
+/* bits: 4, 5 or 8 (wm used for 4 only); half_scales: ws and wm are fp16. Returns 0, -1 when N is
+ * not a multiple of 8, K of 32, or bits none of those, -3 when out of memory. */
 int quant_linear(int bits, int half_scales, const float *x, const void *w, const void *ws, const void *wm,
                  const float *bias, float *y, int M, int N, int K, int num_threads) {
-    if (N % 8 != 0 || K % BLOCK != 0 || (bits != 4 && bits != 8)) return -1;
+    if (N % 8 != 0 || K % BLOCK != 0 || (bits != 4 && bits != 5 && bits != 8)) return -1;
     int8_t *xq = thread_scratch(quant_linear_scratch_bytes(M, K));
     if (!xq) return -3;
     const QuantLinear layer = {bits, N, K, half_scales, w, ws, bits == 4 ? wm : NULL, bias};

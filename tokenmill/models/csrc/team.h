@@ -11,7 +11,7 @@
 #include <stdint.h>
 
 /* A linear layer with quantised weights (layouts in quant_gemm.c): scale and min are fp16 when
- * half_scales, else fp32; min is NULL at 8 bits and bias NULL when there is none. */
+ * half_scales, else fp32; min is NULL at 5 and 8 bits and bias NULL when there is none. */
 typedef struct {
     int bits, out_features, in_features, half_scales;
     const void *weight, *scale, *min;
