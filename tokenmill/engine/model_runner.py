@@ -143,6 +143,8 @@ class ModelRunner:
 
     def _attention_group(self, spans: list[_Span], paged: bool) -> AttentionGroup:
         """`paged`: read by a C kernel (decodes or prompt spans), which needs no mask."""
+        if paged and all(s.num_new == 1 for s in spans):
+            return self._decode_group(spans)
         bs = self.block_size
         rows = torch.tensor([s.row for s in spans])
         num_new = torch.tensor([s.num_new for s in spans])
@@ -163,6 +165,26 @@ class ModelRunner:
         return AttentionGroup(
             query_index.to(to), query_valid.to(to), tables.to(to), ctx.to(to),
             None if mask is None else mask.to(to), query_index[query_valid].to(to), num_new=num_new.to(to),
+        )
+
+    def _decode_group(self, spans: list[_Span]) -> AttentionGroup:
+        """Decodes the C kernel attends (one query a span, no mask): _attention_group's result from
+        five tensors built from lists. Its general form took ~0.4 ms of a 10-13 ms batch-1 step."""
+        bs = self.block_size
+        used = [s.block_table[: -(-s.context_len // bs)] for s in spans]
+        width = max(map(len, used))
+        tables = torch.tensor([t + [self.null_block] * (width - len(t)) for t in used], dtype=torch.long)
+        # Only the block of a span's new token can be unused so far, and only from its first slot:
+        # the earlier ones hold keys written (and were zeroed) at earlier steps.
+        starting = [t[-1] for s, t in zip(spans, used, strict=True) if (s.context_len - 1) % bs == 0]
+        if starting:
+            self._initialise(torch.tensor(starting, dtype=torch.long))
+        rows = torch.tensor([s.row for s in spans])  # each one's token in the flat batch
+        to = self.device
+        return AttentionGroup(
+            rows[:, None].to(to), torch.ones(len(spans), 1, dtype=torch.bool, device=to), tables.to(to),
+            torch.tensor([s.context_len for s in spans]).to(to), None, rows.to(to),
+            num_new=torch.ones(len(spans), dtype=torch.long, device=to),
         )
 
     def _mask(self, ctx: torch.Tensor, num_new: torch.Tensor, query_valid: torch.Tensor, keys: int) -> torch.Tensor:
