@@ -160,6 +160,23 @@ def test_five_bit_blocks_join_eight_bit_ones_exactly() -> None:
     assert quant.concatenate([five, four]).bits == 8
 
 
+@needs_kernel
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_five_bit_blocks_compute_what_eight_bit_ones_do(isa: str) -> None:
+    """The same values held in 5 or in 8 bits give the same bits out: both take Σ q·x exactly in
+    int32 (5 bits: unsigned q + 16 less 16 · Σ x_q, unpacked to 8-bit vectors for VNNI at more than
+    one row) before the same float operations."""
+    torch.manual_seed(3)
+    five = quantize(torch.randn(48, 192), 5)
+    eight = five.exactly_as(8)
+    assert eight is not None
+    layers = QuantizedLinear(five), QuantizedLinear(eight)
+    for m in (1, 3, 5, 70, 130):
+        x = torch.randn(m, 192) * 3
+        got, want = ((layer(x) if isa == "native" else _run(_avx2_kernels(), layer, x)) for layer in layers)
+        assert torch.equal(got, want), m
+
+
 # ---- the engine -----------------------------------------------------------------------------
 def _quantized_reference(model: torch.nn.Module, weights: dict[str, Quantized]) -> torch.nn.Module:
     """A copy of the transformers model whose linears (and embedding) run `weights` with our
