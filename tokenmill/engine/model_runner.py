@@ -149,14 +149,13 @@ class ModelRunner:
         rows = torch.tensor([s.row for s in spans])
         num_new = torch.tensor([s.num_new for s in spans])
         ctx = torch.tensor([s.context_len for s in spans])
-        lq, lk = int(num_new.max()), int(ctx.max())
+        lq = int(num_new.max())
         q_off = torch.arange(lq)
         query_valid = q_off[None, :] < num_new[:, None]
         query_index = torch.where(query_valid, rows[:, None] + q_off, 0)
 
-        max_blocks = -(-lk // bs)
-        used = [s.block_table[: -(-s.context_len // bs)] for s in spans]  # one tensor built, not one a span
-        tables = torch.tensor([t + [self.null_block] * (max_blocks - len(t)) for t in used], dtype=torch.long)
+        _, tables = self._block_tables(spans)
+        max_blocks = tables.shape[1]
         # Zeroed even when the kernel (which reads only context) attends them: a block first
         # written on the kernel path may later be gathered by a prefill group.
         self._initialise(tables)
@@ -167,13 +166,18 @@ class ModelRunner:
             None if mask is None else mask.to(to), query_index[query_valid].to(to), num_new=num_new.to(to),
         )
 
+    def _block_tables(self, spans: list[_Span]) -> tuple[list[list[int]], torch.Tensor]:
+        """Each span's blocks up to its context's end, and them as one [G, widest] tensor padded
+        with the null block (built at once, not one tensor a span)."""
+        used = [s.block_table[: -(-s.context_len // self.block_size)] for s in spans]
+        width = max(map(len, used))
+        return used, torch.tensor([t + [self.null_block] * (width - len(t)) for t in used], dtype=torch.long)
+
     def _decode_group(self, spans: list[_Span]) -> AttentionGroup:
         """Decodes the C kernel attends (one query a span, no mask): _attention_group's result from
         five tensors built from lists. Its general form took ~0.4 ms of a 10-13 ms batch-1 step."""
         bs = self.block_size
-        used = [s.block_table[: -(-s.context_len // bs)] for s in spans]
-        width = max(map(len, used))
-        tables = torch.tensor([t + [self.null_block] * (width - len(t)) for t in used], dtype=torch.long)
+        used, tables = self._block_tables(spans)
         # Only the block of a span's new token can be unused so far, and only from its first slot:
         # the earlier ones hold keys written (and were zeroed) at earlier steps.
         starting = [t[-1] for s, t in zip(spans, used, strict=True) if (s.context_len - 1) % bs == 0]
