@@ -31,7 +31,10 @@ def _reference(q, k_cache, v_cache, tables, lens, window):  # type: ignore[no-un
 @CACHE_DTYPES
 @pytest.mark.parametrize(
     ("kv_heads", "group", "head_dim", "block_size", "window"),
-    [(2, 2, 16, 4, None), (3, 3, 64, 16, None), (1, 8, 32, 8, None), (2, 1, 16, 4, 9), (1, 4, 256, 16, None)],
+    # Query heads are attended up to 4 at a time: groups of 5-8 take two passes; head_dim 64, 128 and
+    # 256 have kernels of their own, others (16, 24, 32) the general one.
+    [(2, 2, 16, 4, None), (3, 3, 64, 16, None), (1, 8, 32, 8, None), (2, 1, 16, 4, 9), (1, 4, 256, 16, None),
+     (1, 7, 128, 16, None), (2, 5, 24, 8, 5), (1, 6, 256, 16, 40)],
 )
 def test_kernel_matches_gather_and_sdpa(kv_heads: int, group: int, head_dim: int, block_size: int, window: int | None,
                                         cache_dtype: torch.dtype) -> None:
@@ -74,15 +77,16 @@ def test_an_empty_context_is_an_error_not_garbage() -> None:
 @CACHE_DTYPES
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(("kv_heads", "window"), [(1, None), (3, None), (1, 700)])
-def test_few_long_contexts_are_split_across_threads(threads: int, kv_heads: int, window: int | None,
+@pytest.mark.parametrize("group", [3, 6])
+def test_few_long_contexts_are_split_across_threads(threads: int, kv_heads: int, window: int | None, group: int,
                                                     cache_dtype: torch.dtype) -> None:
     """Batch 1-2: too few (sequence, KV head) items for the threads, so each long context is
     attended in parts merged by their scores' maxima and totals (one sequence far shorter than
     the other: parts past its end are empty; one not a whole number of blocks), and a context too
-    short to split has its 3 query heads split between tasks (2 + 1 at 2 threads)."""
+    short to split has its query heads split between tasks (3: 2 + 1 at 2 threads; 6: 3 + 3)."""
     assert kernels.supports(CPU, torch.float32)
     gen = torch.Generator().manual_seed(2)
-    block_size, group, head_dim, max_blocks = 16, 3, 64, 160
+    block_size, head_dim, max_blocks = 16, 64, 160
     k_cache = torch.randn(2 * max_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
     v_cache = torch.randn(2 * max_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
     tables = torch.randperm(2 * max_blocks, generator=gen).view(2, max_blocks)

@@ -3,8 +3,10 @@
  * Why this exists: with only PyTorch ops, decode attention has to gather every sequence's
  * blocks into a dense tensor (read + write the whole context) before SDPA reads it again. On a
  * memory-bound CPU that triple traffic cost more than all linear layers at batch 64. Here each
- * K and V row is read from memory once per (sequence, KV head); the query heads that share the
- * KV head (GQA) re-read it from cache.
+ * K and V row is read from memory once per (sequence, KV head) and loaded and widened once for up
+ * to four of the query heads that share it (GQA), attended in the same pass. (One head at a time,
+ * re-reading the row from cache, left a batch-64 SmolLM2 step's attention compute-bound: 29 ms
+ * for its 413 MB of K/V, 20 ms now.)
  *
  * Few sequences (batch 1-2) leave threads idle: Gemma 3 270M has one KV head, so one thread
  * attended a whole 2,048-token context alone. Then each context is split into parts attended as
@@ -31,17 +33,6 @@
 #include "team.h"
 #include "vec8.h"
 
-static inline __attribute__((always_inline)) vec8 dot_partial(const vec8 *qv, const char *k, int n8, int half) {
-    vec8 s0 = {0}, s1 = {0};  /* two chains: the FMA latency is hidden */
-    int i = 0;
-    for (; i + 1 < n8; i += 2) {
-        s0 += qv[i] * load_kv(k, 8 * i, half);
-        s1 += qv[i + 1] * load_kv(k, 8 * i + 8, half);
-    }
-    if (i < n8) s0 += qv[i] * load_kv(k, 8 * i, half);
-    return s0 + s1;
-}
-
 typedef struct {
     const char *k_cache, *v_cache;  /* this KV head's first element in the caches */
     const int64_t *table;
@@ -59,95 +50,159 @@ static inline int64_t block_end(const Context *c, int64_t pos) {
     return end < c->len ? end : c->len;
 }
 
+/* Query heads attended together: they share each K and V row they read (loaded and widened once). */
+enum { MAX_JOINT_HEADS = 4 };
+
+/* One head's slice of the rows of the block from `pos` on (a block's first position, or len),
+ * requested ahead: a context's next block is anywhere in the cache, where the hardware
+ * prefetcher finds it only after the first misses. */
+static inline void prefetch_block(const Context *c, const char *cache, int64_t pos, int64_t head_bytes) {
+    if (pos >= c->len) return;
+    const char *r = row(c, cache, pos);
+    for (const int64_t end = block_end(c, pos); pos < end; pos++, r += c->row_bytes)
+        for (int64_t b = 0; b < head_bytes; b += 64) __builtin_prefetch(r + b, 0, 2);
+}
+
 /* A query head's attention over part of its context, before the division by the weights' total:
  * parts of one context are combined by their top scores and totals (combine_parts). */
 typedef struct {
     float max, total;
 } Partial;
 
-/* One query head over positions [c->start, c->len): scores, softmax, weighted sum of V into out,
- * divided by the weights' total when `normalise`. D is a multiple of 8; with a compile-time D
- * (the specialisations below) the query and the output live in registers; `half` (fp16 caches)
- * is a compile-time constant of each specialisation too. */
-static inline __attribute__((always_inline)) Partial attend_head(const Context *c, const float *q, int D, float scale,
-                                                                 float *scores, float *out, int normalise, int half) {
-    vec8 qv[32], acc[32];  /* head_dim <= 256 */
+/* The scores of `keys` positions from row k on, for gc query heads (qv [gc][n8]): written to
+ * scores[g * stride + j] (position j, head g). */
+static inline __attribute__((always_inline)) void score_keys(const Context *c, const char *k, const vec8 *qv, int n8,
+                                                             int gc, int keys, float scale, int half, float *scores,
+                                                             int64_t stride) {
+    vec8 part[8] = {{0}};
+    for (int i = 0; i < n8; i++)
+        for (int j = 0; j < keys; j++) {
+            const vec8 kv = load_kv(k + j * c->row_bytes, 8 * i, half);
+            for (int g = 0; g < gc; g++) part[j * gc + g] += qv[g * n8 + i] * kv;
+        }
+    const vec8 s8 = sum8x8(part) * scale;
+    for (int j = 0; j < keys; j++)
+        for (int g = 0; g < gc; g++) scores[g * stride + j] = s8[j * gc + g];
+}
+
+/* acc[g][first .. first + width) += Σ weights[g * stride + p] · V row p, over `rows` rows from v. */
+static inline __attribute__((always_inline)) void weigh_rows(const Context *c, const char *v, int64_t rows,
+                                                             const float *weights, int64_t stride, int gc, int n8,
+                                                             int first, int width, int half, vec8 *acc) {
+    vec8 a[16];
+    for (int g = 0; g < gc; g++)
+        for (int i = 0; i < width; i++) a[g * width + i] = acc[g * n8 + first + i];
+    for (int64_t p = 0; p < rows; p++, v += c->row_bytes)
+        for (int i = 0; i < width; i++) {
+            const vec8 vv = load_kv(v, 8 * (first + i), half);
+            for (int g = 0; g < gc; g++) a[g * width + i] += weights[g * stride + p] * vv;
+        }
+    for (int g = 0; g < gc; g++)
+        for (int i = 0; i < width; i++) acc[g * n8 + first + i] = a[g * width + i];
+}
+
+/* `gc` query heads of one KV head (queries `q`, D floats apart) over positions [c->start, c->len):
+ * scores, softmax, weighted sum of V into out (heads `out_stride` floats apart), divided by the
+ * weights' total when `normalise`; each head's Partial into `result`. D is a multiple of 8, at
+ * most 256. `scores` holds gc * (len - start) floats. D, gc and `half` (fp16 caches) are
+ * compile-time constants of each specialisation below: the inner loops unroll, their
+ * accumulators (part, a) stay in registers, the queries and outputs (qv, acc) in L1. */
+static inline __attribute__((always_inline)) void attend_heads(const Context *c, const float *q, int D, int gc,
+                                                               float scale, float *scores, float *out,
+                                                               int64_t out_stride, int normalise, int half,
+                                                               Partial *result) {
     const int n8 = D / 8;
-    if (c->len <= c->start) {  /* an empty part of a split context */
-        for (int i = 0; i < n8; i++) *(vec8u *)(out + 8 * i) = (vec8){0};
-        return (Partial){-INFINITY, 0.f};
+    const int64_t n = c->len - c->start;
+    if (n <= 0) {  /* an empty part of a split context */
+        for (int g = 0; g < gc; g++) {
+            for (int i = 0; i < n8; i++) *(vec8u *)(out + g * out_stride + 8 * i) = (vec8){0};
+            result[g] = (Partial){-INFINITY, 0.f};
+        }
+        return;
     }
-    for (int i = 0; i < n8; i++) qv[i] = LOAD(q + 8 * i);
-    vec8 max8 = (vec8){0} - INFINITY;
-    float max_score = -INFINITY;
-    /* Walk block by block: no division per position (64-bit idiv costs ~40+ cycles). */
+    vec8 qv[MAX_JOINT_HEADS * 32], acc[MAX_JOINT_HEADS * 32];  /* [gc][n8]: in L1 */
+    for (int g = 0; g < gc; g++)
+        for (int i = 0; i < n8; i++) qv[g * n8 + i] = LOAD(q + g * D + 8 * i);
+    /* Scores, `keys` positions at a time: keys * gc dot products (at most 8) in flight, reduced
+     * by one sum8x8. Walk block by block: no division per position. */
+    const int keys = 8 / gc;
     for (int64_t pos = c->start; pos < c->len;) {
         const char *k = row(c, c->k_cache, pos);
         const int64_t end = block_end(c, pos);
-        for (; pos + 8 <= end; pos += 8, k += 8 * c->row_bytes) {
-            vec8 partial[8];
-            for (int j = 0; j < 8; j++) partial[j] = dot_partial(qv, k + j * c->row_bytes, n8, half);
-            const vec8 s8 = sum8x8(partial) * scale;
-            *(vec8u *)(scores + pos - c->start) = s8;
-            max8 = select8(s8 > max8, s8, max8);
+        prefetch_block(c, c->k_cache, end, D * (half ? 2 : 4));
+        for (; pos + keys <= end; pos += keys, k += keys * c->row_bytes)
+            score_keys(c, k, qv, n8, gc, keys, scale, half, scores + pos - c->start, n);
+        for (; pos < end; pos++, k += c->row_bytes) score_keys(c, k, qv, n8, gc, 1, scale, half, scores + pos - c->start, n);
+    }
+    for (int g = 0; g < gc; g++) {  /* softmax numerators, and their maximum and total */
+        float *s = scores + g * n;
+        vec8 max8 = (vec8){0} - INFINITY;
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) max8 = select8(LOAD(s + j) > max8, LOAD(s + j), max8);
+        float top = -INFINITY;
+        for (int i = 0; i < 8; i++) top = max8[i] > top ? max8[i] : top;
+        for (; j < n; j++) top = s[j] > top ? s[j] : top;
+        vec8 total8 = {0};
+        for (j = 0; j + 8 <= n; j += 8) {
+            const vec8 e = exp8(LOAD(s + j) - top);
+            *(vec8u *)(s + j) = e;
+            total8 += e;
         }
-        for (; pos < end; pos++, k += c->row_bytes) {
-            const float score = sum8(dot_partial(qv, k, n8, half)) * scale;
-            scores[pos - c->start] = score;
-            if (score > max_score) max_score = score;
+        float total = sum8(total8);
+        for (; j < n; j++) {
+            s[j] = expf(s[j] - top);
+            total += s[j];
         }
+        result[g] = (Partial){top, total};
     }
-    for (int i = 0; i < 8; i++) max_score = max8[i] > max_score ? max8[i] : max_score;
-    const int64_t n = c->len - c->start;
-    vec8 total8 = {0};
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        const vec8 e = exp8(LOAD(scores + j) - max_score);
-        *(vec8u *)(scores + j) = e;
-        total8 += e;
-    }
-    float total = sum8(total8);
-    for (; j < n; j++) {
-        scores[j] = expf(scores[j] - max_score);
-        total += scores[j];
-    }
-    for (int i = 0; i < n8; i++) acc[i] = (vec8){0};
+    /* Weighted V: a block's rows at a time, `cols` vectors of each head's output in registers. */
+    const int cols = gc == 1 ? 16 : gc == 2 ? 8 : 4;
+    for (int i = 0; i < gc * n8; i++) acc[i] = (vec8){0};
     for (int64_t pos = c->start; pos < c->len;) {
         const char *v = row(c, c->v_cache, pos);
         const int64_t end = block_end(c, pos);
-        for (; pos < end; pos++, v += c->row_bytes) {
-            const float w = scores[pos - c->start];
-            for (int i = 0; i < n8; i++) acc[i] += w * load_kv(v, 8 * i, half);
-        }
+        prefetch_block(c, c->v_cache, end, D * (half ? 2 : 4));
+        int first = 0;
+        for (; first + cols <= n8; first += cols) weigh_rows(c, v, end - pos, scores + pos - c->start, n, gc, n8, first, cols, half, acc);
+        for (; first < n8; first++) weigh_rows(c, v, end - pos, scores + pos - c->start, n, gc, n8, first, 1, half, acc);
+        pos = end;
     }
-    const float inv = normalise ? 1.0f / total : 1.0f;
-    for (int i = 0; i < n8; i++) *(vec8u *)(out + 8 * i) = acc[i] * inv;
-    return (Partial){max_score, total};
+    for (int g = 0; g < gc; g++) {
+        const float inv = normalise ? 1.0f / result[g].total : 1.0f;
+        for (int i = 0; i < n8; i++) *(vec8u *)(out + g * out_stride + 8 * i) = acc[g * n8 + i] * inv;
+    }
 }
 
-/* attend_head specialised by head_dim (64, 128, any: DIM is then D) and cache element. */
-#define ATTEND(NAME, DIM, HALF)                                                                           \
-    static Partial NAME(const Context *c, const float *q, int D, float scale, float *s, float *o, int normalise) { \
-        (void)D;                                                                                          \
-        return attend_head(c, q, DIM, scale, s, o, normalise, HALF);                                      \
-    }
-ATTEND(attend_64, 64, 0)
-ATTEND(attend_128, 128, 0)
-ATTEND(attend_any, D, 0)
-ATTEND(attend_64_half, 64, 1)
-ATTEND(attend_128_half, 128, 1)
-ATTEND(attend_any_half, D, 1)
+typedef void (*AttendFn)(const Context *c, const float *q, int D, float scale, float *scores, float *out,
+                         int64_t out_stride, int normalise, Partial *result);
 
-static Partial attend(const Context *c, const float *q, int D, float scale, float *s, float *o, int normalise,
-                      int half) {
-    if (half) {
-        if (D == 64) return attend_64_half(c, q, D, scale, s, o, normalise);
-        if (D == 128) return attend_128_half(c, q, D, scale, s, o, normalise);
-        return attend_any_half(c, q, D, scale, s, o, normalise);
+/* attend_heads specialised by head_dim (64, 128, 256, any: DIM is then D), cache element and
+ * number of joint heads. */
+#define ATTEND(NAME, DIM, HALF, GC)                                                                       \
+    static void NAME(const Context *c, const float *q, int D, float scale, float *s, float *o,            \
+                     int64_t out_stride, int normalise, Partial *r) {                                     \
+        (void)D;                                                                                          \
+        attend_heads(c, q, DIM, GC, scale, s, o, out_stride, normalise, HALF, r);                         \
     }
-    if (D == 64) return attend_64(c, q, D, scale, s, o, normalise);
-    if (D == 128) return attend_128(c, q, D, scale, s, o, normalise);
-    return attend_any(c, q, D, scale, s, o, normalise);
+#define ATTEND_HEADS(NAME, DIM, HALF) \
+    ATTEND(NAME##_1, DIM, HALF, 1) ATTEND(NAME##_2, DIM, HALF, 2) ATTEND(NAME##_3, DIM, HALF, 3) ATTEND(NAME##_4, DIM, HALF, 4)
+ATTEND_HEADS(attend_64, 64, 0)
+ATTEND_HEADS(attend_128, 128, 0)
+ATTEND_HEADS(attend_256, 256, 0)
+ATTEND_HEADS(attend_any, D, 0)
+ATTEND_HEADS(attend_64_half, 64, 1)
+ATTEND_HEADS(attend_128_half, 128, 1)
+ATTEND_HEADS(attend_256_half, 256, 1)
+ATTEND_HEADS(attend_any_half, D, 1)
+#define HEADS(NAME) {NAME##_1, NAME##_2, NAME##_3, NAME##_4}
+static const AttendFn ATTEND_FNS[2][4][MAX_JOINT_HEADS] = {
+    {HEADS(attend_64), HEADS(attend_128), HEADS(attend_256), HEADS(attend_any)},
+    {HEADS(attend_64_half), HEADS(attend_128_half), HEADS(attend_256_half), HEADS(attend_any_half)},
+};
+
+static AttendFn attend_fn(int D, int gc, int half) {
+    const int dim = D == 64 ? 0 : D == 128 ? 1 : D == 256 ? 2 : 3;
+    return ATTEND_FNS[half][dim][gc - 1];
 }
 
 /* Positions [start, len) of a sequence's context: the last `window` when there is one. */
@@ -231,9 +286,9 @@ void paged_attention_team(const float *q, int64_t q_stride, const void *k_cache,
         const int64_t len = context_lens[seq], start = context_start(len, window);
         const int64_t first = parts > 1 ? start + part * part_keys : start;
         const int64_t last = parts > 1 && first + part_keys < len ? first + part_keys : len;
-        if (last - first > capacity) {
+        if (MAX_JOINT_HEADS * (last - first) > capacity) {
             free(scores);
-            capacity = last - first;
+            capacity = MAX_JOINT_HEADS * (last - first);
             scores = (float *)malloc(sizeof(float) * capacity);
         }
         if ((scores == NULL && last > first) || len <= 0 || len > (int64_t)max_blocks * block_size) {
@@ -247,17 +302,22 @@ void paged_attention_team(const float *q, int64_t q_stride, const void *k_cache,
             (const char *)k_cache + element * kv_head * head_dim, (const char *)v_cache + element * kv_head * head_dim,
             block_tables + seq * max_blocks, row_bytes, block_size * row_bytes, first, last, block_size,
         };
-        for (int g = first_head; g < last_head; g++) {
+        for (int g = first_head; g < last_head; g += MAX_JOINT_HEADS) {
+            const int gc = last_head - g < MAX_JOINT_HEADS ? last_head - g : MAX_JOINT_HEADS;
             const int64_t head = (int64_t)(kv_head * group + g) * head_dim;
             const float *qh = q + seq * q_stride + head;
+            Partial r[MAX_JOINT_HEADS];
             if (parts == 1) {
-                attend(&c, qh, head_dim, scale, scores, out + seq * out_stride + head, 1, kv_half);
+                attend_fn(head_dim, gc, kv_half)(&c, qh, head_dim, scale, scores, out + seq * out_stride + head,
+                                                 head_dim, 1, r);
                 continue;
             }
             float *slot = part_results + ((item * group + g) * parts + part) * part_stride;
-            const Partial r = attend(&c, qh, head_dim, scale, scores, slot, 0, kv_half);
-            slot[head_dim] = r.max;
-            slot[head_dim + 1] = r.total;
+            attend_fn(head_dim, gc, kv_half)(&c, qh, head_dim, scale, scores, slot, parts * part_stride, 0, r);
+            for (int i = 0; i < gc; i++) {
+                slot[i * parts * part_stride + head_dim] = r[i].max;
+                slot[i * parts * part_stride + head_dim + 1] = r[i].total;
+            }
         }
     }
     free(scores);
