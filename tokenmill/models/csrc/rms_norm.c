@@ -8,12 +8,21 @@
 #include <stdint.h>
 
 #include "team.h"
+#include "vec8.h"
 
 void rms_norm_row(const float *x, const float *w, float *y, int K, float eps, float offset) {
-    float sum = 0.f;
-    for (int k = 0; k < K; k++) sum += x[k] * x[k];
+    /* Σx² in four vector chains: a single scalar chain (the compiler may not reorder float sums)
+     * waited on the adder's latency at every element, ~0.7 µs a 640-wide row: a tenth of Gemma 3's
+     * prefill went to its six norms a layer. */
+    vec8 s[4] = {{0}};
+    int k = 0;
+    for (; k + 32 <= K; k += 32)
+        for (int j = 0; j < 4; j++) s[j] += LOAD(x + k + 8 * j) * LOAD(x + k + 8 * j);
+    for (; k + 8 <= K; k += 8) s[0] += LOAD(x + k) * LOAD(x + k);
+    float sum = sum8((s[0] + s[1]) + (s[2] + s[3]));
+    for (; k < K; k++) sum += x[k] * x[k];
     const float inv = 1.f / sqrtf(sum / K + eps);
-    for (int k = 0; k < K; k++) y[k] = x[k] * inv * (offset + w[k]);
+    for (k = 0; k < K; k++) y[k] = x[k] * inv * (offset + w[k]);
 }
 
 void rms_norm_team(const float *x, const float *w, float *y, int M, int K, float eps, float offset) {
