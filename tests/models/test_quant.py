@@ -101,11 +101,20 @@ def test_quantize_round_trips_within_half_a_step() -> None:
 
 
 @pytest.mark.parametrize("bits", [4, 5, 8])
-def test_embedding_rows_read_from_the_packed_layout(bits: int) -> None:
+@pytest.mark.parametrize("half_scales", [False, True])
+def test_embedding_rows_read_from_the_packed_layout(bits: int, half_scales: bool) -> None:
+    """Bit for bit the dequantised rows (scale · q, then + min, each rounded), with the fp32 block
+    values of a quantised tensor or the fp16 ones of a GGUF's blocks."""
     torch.manual_seed(1)
     w = quantize(torch.randn(48, 96), bits)
+    if half_scales:
+        w = Quantized(bits, w.q, w.scale.half().float(), None if w.min is None else w.min.half().float())
+    table = QuantizedLinear(w)
+    assert (table.scale.dtype == torch.float16) == half_scales
     ids = torch.tensor([[0, 47, 9], [8, 15, 9]])
-    assert torch.equal(QuantizedEmbedding(QuantizedLinear(w))(ids), w.dequantize()[ids])
+    assert torch.equal(QuantizedEmbedding(table)(ids), w.dequantize()[ids])
+    with pytest.raises(IndexError, match="out of range"):
+        QuantizedEmbedding(table)(torch.tensor([3, 48]))
 
 
 @pytest.mark.parametrize("ggml_type", ["Q8_0", "Q5_0", "Q4_0", "Q4_1"])

@@ -37,6 +37,7 @@ _SIGNATURES = {
     "apply_token_bitmask": [_P, _P, _I, _I, _I],
     "quant_linear": [_I, _I] + [_P] * 6 + [_I] * 4,
     "quant_linear_available": [],
+    "quant_rows": [_P, _P, _I, _P],
     "rms_norm": [_P, _P, _P, _I, _I, _F, _F, _I],
     "rope_inplace": [_P, _P, _P, _I, _I, _I, _I, _I64, _I],
     "gated_activation": [_P, _P, _I, _I, _I, _I],

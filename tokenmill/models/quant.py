@@ -16,6 +16,7 @@ Hugging Face order, so q/k rows can be permuted and q/k/v concatenated like fp32
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -216,6 +217,7 @@ class QuantizedLinear(nn.Module):
         tensors = (self.weight, self.scale, self.min, self.bias)
         self._pointers = tuple(None if t is None else t.data_ptr() for t in tensors)
         self._half_scales = int(self.scale.dtype == torch.float16)
+        self._kernel_args = self.kernel_args()
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -240,25 +242,15 @@ class QuantizedLinear(nn.Module):
                                    *self._pointers)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """fp32 rows `ids` of W (an embedding lookup), unpacked from the kernel layout."""
-        group, col = ids // 8, ids % 8
-        kb = self.in_features // BLOCK
-        if self.bits == 8:
-            q = self.weight[group, :, col, :].reshape(len(ids), kb, BLOCK)  # [T, K/4, 4] -> blocks
-        elif self.bits == 4:
-            q = _unpack_nibbles(self.weight.view(-1, kb, 4, 8, 4)[group, :, :, col, :], len(ids), kb)
-        else:
-            packed = self.weight[group]  # [T, KB, 160]
-            low = _unpack_nibbles(packed[..., :128].reshape(-1, kb, 4, 8, 4)[torch.arange(len(ids)), :, :, col, :],
-                                  len(ids), kb)
-            plane = packed[..., 128:].reshape(-1, kb, 8, 4)[torch.arange(len(ids)), :, col, :]  # [T, KB, 4 k]
-            fifth = (plane[:, :, None, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1  # [T, KB, group, k]
-            fifth = fifth.reshape(len(ids), kb, BLOCK)
-            q = (low | (fifth << 4)).to(torch.int16) - 16
-        values = q.float() * self.scale[group, :, col].float()[..., None]
-        if self.min is not None:
-            values = values + self.min[group, :, col].float()[..., None]
-        return values.reshape(len(ids), self.in_features)
+        """fp32 rows `ids` of W (an embedding lookup), unpacked from the kernel layout by
+        csrc/quant_gemm.c's quant_rows."""
+        lib = kernels.library()
+        assert lib is not None, "the CPU kernels did not build"
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(len(ids), self.in_features)
+        if lib.quant_rows(ctypes.byref(self._kernel_args), ids.data_ptr(), len(ids), out.data_ptr()) != 0:
+            raise IndexError(f"token id out of range 0..{self.out_features - 1} in {ids.tolist()}")
+        return out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
