@@ -25,7 +25,7 @@ from tokenmill.models.config import ModelConfig, rope_attention_factor, rope_inv
 from tokenmill.models.decode_stack import DecodeStack
 from tokenmill.models.moe import SparseMoE
 from tokenmill.models.paged_attention import paged_decode_attention, paged_prefill_attention
-from tokenmill.models.quant import Quantized, Weight, concatenate, quantize
+from tokenmill.models.quant import Quantized, QuantizedLinear, Weight, concatenate, quantize
 
 # Prefill queries attended at a time (Attention._attend_in_chunks): smaller leaves out more of the
 # masked work, larger makes fewer, bigger SDPA calls. Two 2,048-token prompts measured 540-585
@@ -370,6 +370,7 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_rows: torch.Tensor,  # [S] rows whose next-token logits are wanted
+        logits_out: torch.Tensor | None = None,  # [>= S, vocab] fp32: where to write them, if it can
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         if self.config.is_gemma3:  # by sqrt(hidden_size), first rounded to the dtype as transformers does
@@ -385,7 +386,11 @@ class CausalLM(nn.Module):
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
                 cos, sin = local_rope if layer.local_rope else rope
                 x = layer(x, cos, sin, kv_cache, meta)
-        return self.lm_head(self.model.norm(x[logits_rows])).float()
+        hidden = self.model.norm(x[logits_rows])
+        head = self.lm_head
+        if logits_out is not None and isinstance(head, QuantizedLinear) and logits_out.shape[1] == head.out_features:
+            return head(hidden, out=logits_out[: len(logits_rows)])
+        return self.lm_head(hidden).float()
 
     def _rope(self, name: str, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"{name}_cos")[positions].to(dtype), getattr(self, f"{name}_sin")[positions].to(dtype)

@@ -220,7 +220,9 @@ class QuantizedLinear(nn.Module):
         self._kernel_args = self.kernel_args()
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: a contiguous fp32 [rows, out_features] tensor to write y to (one kept across
+        calls, where a fresh one would be paged in every time)."""
         # A decode step makes ~120 of these calls: the pointers are read once (see _apply), not
         # through nn.Module attribute lookups each time.
         lib = kernels.library()
@@ -229,7 +231,8 @@ class QuantizedLinear(nn.Module):
         x = x.reshape(-1, k)
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
-        y = torch.empty(x.shape[0], self.out_features)
+        y = torch.empty(x.shape[0], self.out_features) if out is None else out
+        assert y.shape == (x.shape[0], self.out_features) and y.dtype == torch.float32 and y.is_contiguous()
         status = lib.quant_linear(self.bits, self._half_scales, x.data_ptr(), *self._pointers, y.data_ptr(),
                                   x.shape[0], self.out_features, k, torch.get_num_threads())
         if status != 0:
