@@ -390,7 +390,7 @@ class CausalLM(nn.Module):
         head = self.lm_head
         if logits_out is not None and isinstance(head, QuantizedLinear) and logits_out.shape[1] == head.out_features:
             return head(hidden, out=logits_out[: len(logits_rows)])
-        return self.lm_head(hidden).float()
+        return head(hidden).float()
 
     def _rope(self, name: str, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"{name}_cos")[positions].to(dtype), getattr(self, f"{name}_sin")[positions].to(dtype)

@@ -252,7 +252,8 @@ class QuantizedLinear(nn.Module):
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(len(ids), self.in_features)
         if lib.quant_rows(ctypes.byref(self._kernel_args), ids.data_ptr(), len(ids), out.data_ptr()) != 0:
-            raise IndexError(f"token id out of range 0..{self.out_features - 1} in {ids.tolist()}")
+            bad = ids[(ids < 0) | (ids >= self.out_features)].tolist()
+            raise IndexError(f"token ids out of range 0..{self.out_features - 1}: {bad[:10]}")
         return out
 
     def extra_repr(self) -> str:
@@ -260,12 +261,6 @@ class QuantizedLinear(nn.Module):
 
 
 _PACKERS = {4: pack_q4, 5: pack_q5, 8: pack_q8}
-
-
-def _unpack_nibbles(packed: torch.Tensor, rows: int, kb: int) -> torch.Tensor:
-    """[T, KB, 4, 4] bytes of one column (vector p's 4 k) -> [T, KB, 32] values: k-groups 0-3 in
-    the low nibbles, 4-7 in the high ones."""
-    return torch.cat((packed & 0x0F, packed >> 4), dim=2).reshape(rows, kb, BLOCK)
 
 
 class QuantizedEmbedding(nn.Module):
