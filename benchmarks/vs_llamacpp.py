@@ -15,8 +15,10 @@ llama.cpp's own T_PP and T_TG; the engine's prefill is until the last request's 
 
 Each round runs llama.cpp then tokenmill for every (model, shape, batch), so a ratio compares the
 two under the same conditions (this machine's speed drifts); the table is the median of the rounds'
-ratios. Every figure carries the CPU seconds other processes used meanwhile. llama.cpp comes from
-`bash benchmarks/setup_llamacpp.sh`.
+ratios. Every figure carries the CPU seconds other processes used meanwhile, and the memory read
+rate measured just before it (a 256 MiB sum on the same threads): a decode step reads every weight,
+so at batch 1 that rate over the engine's weight bytes is the decode ceiling of that moment, printed
+beside the engine's batch-1 decode. llama.cpp comes from `bash benchmarks/setup_llamacpp.sh`.
 """
 
 from __future__ import annotations
@@ -56,6 +58,36 @@ class Cell:
     decode_tok_s: float
     wall_s: float
     other_cpu_s: float | None
+    read_gb_s: float  # memory read rate just before the cell
+    decode_ceiling_tok_s: float | None = None  # batch 1: read rate / the engine's weight bytes
+
+
+_READ_BUFFER: list[torch.Tensor] = []
+
+
+def read_rate_gb_s() -> float:
+    """Best of three sums over 256 MiB of fp32 on torch's threads: what the weight streams can get."""
+    if not _READ_BUFFER:
+        _READ_BUFFER.append(torch.ones(64 * 2**20))
+    x = _READ_BUFFER[0]
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def weight_bytes(llm: LLM) -> int:
+    """Bytes of the weights a decode step reads: all but the embedding table (one row a token) unless
+    it is the lm_head too, counted once; not the RoPE tables."""
+    model, seen, total = llm.engine.runner.model, set(), 0
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in tensors:
+        if "rope" not in name and "embed_tokens" not in name and tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    return total
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -66,6 +98,7 @@ def _shape(text: str) -> tuple[int, int]:
 # ---- llama.cpp ------------------------------------------------------------------------------------
 def llama_batched_bench(model: str, path: Path, shape: str, batches: list[int], threads: int) -> list[Cell]:
     pp, tg = _shape(shape)
+    read = read_rate_gb_s()
     meter = CpuMeter()
     out = subprocess.run(
         [str(BIN / "llama-batched-bench"), "-m", str(path), "-c", str(max(batches) * (pp + tg)), "-b", "2048",
@@ -79,7 +112,7 @@ def llama_batched_bench(model: str, path: Path, shape: str, batches: list[int], 
             row = json.loads(line)
             b = row["pl"]
             cells.append(Cell(model, shape, b, threads, "llama.cpp", b * tg / row["t"], row["speed_pp"],
-                              row["speed_tg"], row["t"], other))
+                              row["speed_tg"], row["t"], other, read))
     return cells
 
 
@@ -110,13 +143,15 @@ def tokenmill_cell(llm: LLM, model: str, shape: str, batch: int, threads: int, r
     prompts = [{"prompt_token_ids": [rng.randrange(1000, vocab - 1000) for _ in range(pp)]} for _ in range(batch)]
     params = SamplingParams(max_tokens=tg, min_tokens=tg, temperature=0, ignore_eos=True)
     llm.engine.set_max_num_seqs(batch)
+    read = read_rate_gb_s()
     meter, t0 = CpuMeter(), time.monotonic()
     outputs = llm.generate(prompts, params, progress=False)
     wall = time.monotonic() - t0
     assert all(len(o.token_ids) == tg for o in outputs)
     first = max(o.timings.first_token or t0 for o in outputs) - t0
+    ceiling = read * 1e9 / weight_bytes(llm) if batch == 1 else None
     return Cell(model, shape, batch, threads, "tokenmill", batch * tg / wall, batch * pp / first,
-                batch * (tg - 1) / max(wall - first, 1e-9), wall, meter.other_seconds())
+                batch * (tg - 1) / max(wall - first, 1e-9), wall, meter.other_seconds(), read, ceiling)
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -169,7 +204,9 @@ def _print_round(r: int, cells: list[Cell]) -> None:
     for c in sorted(cells, key=lambda c: (c.batch, c.engine)):
         print(f"round {r + 1} {c.model:12s} {c.shape:9s} B{c.batch:<3d} t{c.threads} {c.engine:9s} "
               f"out {c.out_tok_s:7.1f} tok/s  prefill {c.prefill_tok_s:7.1f}  decode {c.decode_tok_s:7.1f}  "
-              f"wall {c.wall_s:6.1f} s  (other processes: {c.other_cpu_s} CPU-s)", flush=True)
+              f"wall {c.wall_s:6.1f} s  (other processes: {c.other_cpu_s} CPU-s; memory read {c.read_gb_s:.1f} GB/s"
+              + (f": batch-1 decode ceiling {c.decode_ceiling_tok_s:.0f} tok/s)" if c.decode_ceiling_tok_s else ")"),
+              flush=True)
 
 
 def _ratios(rounds: list[list[Cell]]) -> list[dict]:
