@@ -10,6 +10,7 @@ from tokenmill.engine.sampler import Sampler, SamplerOutput
 from tokenmill.engine.scheduler import ScheduledSequence
 from tokenmill.models.attention_metadata import AttentionGroup, AttentionMetadata
 from tokenmill.models.decoder import CausalLM
+from tokenmill.models.huge_pages import huge_page_empty
 from tokenmill.models.paged_attention import MAX_PREFILL_QUERY_GROUP
 
 
@@ -121,7 +122,10 @@ class ModelRunner:
         them before the next. (A fresh one was paged in at every step: at Gemma 3's 262k-token
         vocabulary and batch 64, 67 MB, 29 of the 87 ms its output layer took.)"""
         if self._logits is None or self._logits.shape[0] < rows:
-            self._logits = torch.empty(rows, self.model.config.vocab_size, device=self.device)
+            shape = (rows, self.model.config.vocab_size)
+            # On the CPU on huge pages: lm_head alone at 64 rows of Gemma 3 wrote into it 7% faster.
+            cpu = self.device.type == "cpu"
+            self._logits = huge_page_empty(shape, torch.float32) if cpu else torch.empty(shape, device=self.device)
         return self._logits[:rows]
 
     @torch.inference_mode()

@@ -8,6 +8,7 @@ import os
 import torch
 
 from tokenmill.models.decoder import CausalLM, fuse_projections
+from tokenmill.models.huge_pages import move_to_huge_pages
 from tokenmill.models.loader import LoadedWeights
 from tokenmill.models.moe import stack_experts
 from tokenmill.models.packed import onednn_packing_available, pack_linears
@@ -62,6 +63,8 @@ def build_model(
     onednn = pack_weights and onednn_packing_available(device, dtype)
     if onednn or small_batch_kernel:
         pack_linears(model, batch_hint, onednn=onednn, small_batch=small_batch_kernel)
+    if device.type == "cpu":  # a decode step streams the weights: 2 MiB pages read faster
+        move_to_huge_pages(model)
     return model
 
 
