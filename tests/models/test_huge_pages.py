@@ -74,6 +74,6 @@ def test_big_tensors_live_in_mappings_advised_for_huge_pages() -> None:
     assert cache.shape == (3, HUGE_PAGE // 4) and cache.dtype == torch.float32
     assert cache.data_ptr() % HUGE_PAGE == 0
     cache.fill_(1.0)
-    assert "hg" in _vm_flags(cache.data_ptr())  # MADV_HUGEPAGE: the kernel may back it with 2 MiB pages
-    plain = torch.empty(3, HUGE_PAGE // 4)
-    assert "hg" not in _vm_flags(plain.data_ptr())
+    # MADV_HUGEPAGE: the kernel may back it with 2 MiB pages. (No negative control against
+    # torch.empty: in the full suite glibc served one from a heap mapping already flagged so.)
+    assert "hg" in _vm_flags(cache.data_ptr())
