@@ -16,9 +16,10 @@ llama.cpp's own T_PP and T_TG; the engine's prefill is until the last request's 
 Each round runs llama.cpp then tokenmill for every (model, shape, batch), so a ratio compares the
 two under the same conditions (this machine's speed drifts); the table is the median of the rounds'
 ratios. Every figure carries the CPU seconds other processes used meanwhile, and the memory read
-rate measured just before it (a 256 MiB sum on the same threads): a decode step reads every weight,
-so at batch 1 that rate over the engine's weight bytes is the decode ceiling of that moment, printed
-beside the engine's batch-1 decode. llama.cpp comes from `bash benchmarks/setup_llamacpp.sh`.
+rate measured just before it (a 256 MiB sum on the same threads, on huge pages as the engine's
+weights are): a decode step reads every weight, so at batch 1 that rate over the engine's weight
+bytes is the decode ceiling of that moment, printed beside the engine's batch-1 decode. llama.cpp
+comes from `bash benchmarks/setup_llamacpp.sh`.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor:
 
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.empty(shape, dtype) on huge pages where it is big enough to span one; else torch.empty."""
-    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     if nbytes < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype)
     return huge_page_bytes(nbytes).view(dtype).view(shape)
@@ -77,4 +77,4 @@ def move_to_huge_pages(module: nn.Module) -> int:
 
 
 def _movable(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.layout == torch.strided and not t.is_mkldnn and t.untyped_storage().nbytes() > 0
+    return t.device.type == "cpu" and t.layout == torch.strided and t.untyped_storage().nbytes() > 0  # not oneDNN's
