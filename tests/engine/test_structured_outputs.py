@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable
 
 import jsonschema
@@ -25,9 +26,11 @@ from tokenmill.engine.structured_outputs import (
     allowed_tokens_bitmask,
     apply_bitmask,
     apply_bitmask_unpacked,
+    check_grammar,
     grammar_text,
 )
 from tokenmill.models.loader import LoadedWeights, load_weights
+from tokenmill.openai_compat import CHAT_URL, RequestError, check_structured_outputs, parse_request
 
 # The confidence is a bounded integer: a JSON number has no bound on its digits, and SmolLM2 writes
 # "0.9999…" until max_tokens.
@@ -394,6 +397,78 @@ def test_a_compile_over_the_time_limit_fails_that_request(smollm_weights: Loaded
                        progress=False)[0]
     assert out.finish_reason == "error" and "took longer than 1e-06 s" in str(out.error)
     assert llm.generate("x", SamplingParams(max_tokens=2), progress=False)[0].finish_reason == "length"
+
+
+# ---- schemas no finite value satisfies -------------------------------------------------------------
+ENDLESS = "structured_outputs.json: Unsatisfiable schema: no finite value satisfies it"
+
+
+@pytest.mark.parametrize("schema", [
+    {"$ref": "#"},
+    {"allOf": [{"$ref": "#"}]},
+    {"anyOf": [{"$ref": "#"}]},
+    {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+    {"type": "object", "additionalProperties": {"$ref": "#"}, "required": ["a"]},
+    {"type": "array", "prefixItems": [{"$ref": "#"}], "minItems": 1},
+    {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
+    {"definitions": {"n": {"type": "object", "properties": {"next": {"$ref": "#/definitions/n"}},
+                           "required": ["next"]}}, "$ref": "#/definitions/n"},
+], ids=["ref", "allOf", "anyOf", "property", "additionalProperties", "prefixItems", "items", "definitions"])
+def test_a_schema_whose_refs_only_lead_back_to_themselves_is_refused(schema: dict) -> None:
+    """llguidance compiles these, and the answer is "" with "stop" (as if complete) or cut with
+    "error": they are refused up front, as llguidance refuses the other unsatisfiable ones."""
+    with pytest.raises(ValueError, match=f"^{re.escape(ENDLESS)}"):
+        check_grammar(StructuredOutputsParams(json=schema))
+    with pytest.raises(ValueError, match=f"^{re.escape(ENDLESS)}"):
+        check_grammar(StructuredOutputsParams(json=json.dumps(schema)))  # a schema given as its text
+
+
+@pytest.mark.parametrize(("schema", "value", "endless"), [
+    # a tree: a leaf has no children; every node needing one more child is endless
+    ({"type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#"}}}},
+     {"children": [{"children": []}, {}]},
+     {"type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#"}, "minItems": 1}},
+      "required": ["children"]}),
+    # a linked list ends in null; without the null it is endless
+    ({"type": "object", "properties": {"next": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}}, "required": ["next"]},
+     {"next": {"next": None}},
+     {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#"}]}}, "required": ["next"]}),
+    ({"$defs": {"n": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                                                   "required": ["next"]}]}},
+      "$ref": "#/$defs/n"},
+     {"next": {"next": None}},
+     {"$defs": {"n": {"anyOf": [{"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                                 "required": ["next"]}]}},
+      "$ref": "#/$defs/n"}),
+    # properties and required only constrain objects: without "type" a string satisfies it
+    ({"properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+     "text",
+     {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}),
+    ({"type": ["object", "null"], "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+     None,
+     {"type": ["object", "array"], "properties": {"a": {"$ref": "#"}}, "required": ["a"], "minItems": 1,
+      "items": {"$ref": "#"}}),
+], ids=["tree", "list", "list-in-defs", "untyped", "type-list"])
+def test_a_recursive_schema_a_finite_value_satisfies_is_served_and_its_endless_twin_refused(
+        schema: dict, value: object, endless: dict) -> None:
+    jsonschema.validate(value, schema)
+    check_grammar(StructuredOutputsParams(json=schema))
+    with pytest.raises(ValueError, match=f"^{re.escape(ENDLESS)}"):
+        check_grammar(StructuredOutputsParams(json=endless))
+
+
+def test_a_request_whose_schema_no_finite_value_satisfies_is_a_request_error(smollm: LLM) -> None:
+    """The server's and the Batch API's check (a RequestError is their 400, or the line's
+    invalid_request row), and the offline API's: the request fails, not "" with "stop"."""
+    body = {"messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}}
+    with pytest.raises(RequestError) as exc:
+        check_structured_outputs(parse_request(CHAT_URL, body), smollm)
+    assert exc.value.param == "response_format"
+    assert str(exc.value).startswith("body.response_format.json_schema.schema: Unsatisfiable schema: no finite value")
+    so = StructuredOutputsParams(json={"$ref": "#"})
+    out = smollm.generate("x", SamplingParams(max_tokens=4, structured_outputs=so), progress=False)[0]
+    assert out.finish_reason == "error" and str(out.error).startswith(ENDLESS)
 
 
 def test_bad_settings_are_refused_by_name() -> None:

@@ -138,7 +138,8 @@ def parse_check(text: str, structured: Any = None) -> Check:
     name, threshold = _split_threshold(text)
     if name in CONFIDENCE:
         low, high = CONFIDENCE[name]
-        if threshold is not None and not low <= threshold <= high:
+        # not finite: -inf would accept every answer, and nan compares false with every value
+        if threshold is not None and not (math.isfinite(threshold) and low <= threshold <= high):
             raise AcceptanceError(f"--accept {text}: the threshold of {name} must be in "
                                   f"{'(-inf' if low == -math.inf else f'[{low:g}'}, {high:g}], got {threshold:g}")
         needs = TOP_FOR_MARGIN if name == "margin" else 0
@@ -172,8 +173,6 @@ def _split_threshold(text: str) -> tuple[str, float | None]:
         threshold = float(value)
     except ValueError:
         raise AcceptanceError(f"--accept {text}: the threshold {value!r} is not a number") from None
-    if math.isnan(threshold):
-        raise AcceptanceError(f"--accept {text}: the threshold is not a number")
     return name.strip(), threshold
 
 

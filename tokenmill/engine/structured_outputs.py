@@ -18,6 +18,7 @@ import re
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 from tokenmill.engine.sampling_params import StructuredOutputsParams
 
@@ -67,7 +68,7 @@ def check_grammar(so: StructuredOutputsParams) -> None:
         raise ValueError(_refusal(so, str(exc))) from None
     import llguidance
 
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    error = llguidance.LLMatcher.validate_grammar(grammar) or _endless(so)
     if error:
         raise ValueError(_refusal(so, error))
 
@@ -83,6 +84,149 @@ def _readable(message: str) -> str:
     lines = [line.strip() for line in message.splitlines()]
     kept = [line for line in lines if line and line.strip("^ ") and not re.match(r"\d+ \| ", line)]
     return " ".join(kept)
+
+
+# ---- schemas no finite value satisfies ------------------------------------------------------------
+# llguidance refuses most unsatisfiable schemas itself ("Unsatisfiable schema: ..."), but compiles one
+# whose $refs only lead back to themselves: the answer is then "" with "stop", as if it were
+# complete, or a cut one with "error". So a schema is also checked here, by a least fixpoint: a node
+# is satisfiable once what it needs (its clauses) is. The clauses are necessary conditions only, so
+# the check may miss an unsatisfiable schema but never refuses one that some value satisfies.
+Clause = list[list[Any]]  # alternatives, each the subschemas a value must all satisfy
+SHAPED_TYPES = ("object", "array")  # the types whose values hold values: the others need nothing here
+
+
+def _endless(so: StructuredOutputsParams) -> str | None:
+    """Why no finite value satisfies the setting's JSON schema, or None (also for other kinds)."""
+    schema = so.json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            return None  # llguidance's to refuse
+    if not isinstance(schema, dict) or _rebases(schema):
+        return None
+    order, clauses = _reachable(schema)
+    satisfiable = _least_fixpoint(order, clauses)
+    if id(schema) in satisfiable:
+        return None
+    ref = next((n["$ref"] for n in order if id(n) not in satisfiable and isinstance(n.get("$ref"), str)), None)
+    return "Unsatisfiable schema: no finite value satisfies it" + (
+        f" ($ref {json.dumps(ref)} refers only back to itself)" if ref is not None else "")
+
+
+def _rebases(schema: dict[str, Any]) -> bool:
+    """Does anything below the root set its own base URI ($id, or draft 4's id)? Then "#" there is
+    not the root, so no $ref is followed (a value in `examples` counts too: that only skips the check)."""
+    stack: list[Any] = [*schema.values()]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            if isinstance(value.get("$id"), str) or isinstance(value.get("id"), str):
+                return True
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return False
+
+
+def _reachable(root: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[int, list[Clause]]]:
+    """The object nodes the root's clauses lead to, children before parents (so a schema without
+    cycles settles in one pass), and each one's clauses."""
+    clauses = {id(root): _clauses(root, root)}
+    order: list[dict[str, Any]] = []
+    stack = [(root, iter(_subschemas(clauses[id(root)])))]
+    while stack:
+        children = stack[-1][1]
+        child = next((c for c in children if isinstance(c, dict) and id(c) not in clauses), None)
+        if child is None:
+            order.append(stack.pop()[0])
+        else:
+            clauses[id(child)] = _clauses(child, root)
+            stack.append((child, iter(_subschemas(clauses[id(child)]))))
+    return order, clauses
+
+
+def _subschemas(clauses: list[Clause]) -> list[Any]:
+    return [schema for clause in clauses for alternative in clause for schema in alternative]
+
+
+def _least_fixpoint(order: list[dict[str, Any]], clauses: dict[int, list[Clause]]) -> set[int]:
+    """The ids of the nodes some finite value satisfies."""
+    satisfiable: set[int] = set()
+
+    def holds(schema: Any) -> bool:  # anything but `false` or an object node not (yet) satisfiable
+        return schema is not False and (not isinstance(schema, dict) or id(schema) in satisfiable)
+
+    grew = True
+    while grew:
+        grew = False
+        for node in order:
+            if id(node) not in satisfiable and all(any(all(map(holds, alternative)) for alternative in clause)
+                                                   for clause in clauses[id(node)]):
+                satisfiable.add(id(node))
+                grew = True
+    return satisfiable
+
+
+def _clauses(node: dict[str, Any], root: dict[str, Any]) -> list[Clause]:
+    """What a value satisfying `node` needs: for each clause, every subschema of one of its alternatives."""
+    if "const" in node or "enum" in node:
+        return []  # the values are listed: llguidance checks them
+    clauses: list[Clause] = []
+    if isinstance(node.get("$ref"), str):
+        clauses.append([[_resolve(node["$ref"], root)]])
+    if isinstance(node.get("allOf"), list):
+        clauses.extend([[part]] for part in node["allOf"])
+    clauses.extend([[part] for part in node[key]] for key in ("anyOf", "oneOf") if isinstance(node.get(key), list))
+    # properties, required, items, minItems only constrain objects and arrays: without a "type" that
+    # rules the other types out, a string satisfies them
+    types = [node["type"]] if isinstance(node.get("type"), str) else node.get("type")
+    if isinstance(types, list) and types and all(t in SHAPED_TYPES for t in types):
+        clauses.append([_object_needs(node) if t == "object" else _array_needs(node) for t in types])
+    return clauses
+
+
+def _object_needs(node: dict[str, Any]) -> list[Any]:
+    """The schemas of its required properties."""
+    required = node.get("required")
+    properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    needs = []
+    for name in required if isinstance(required, list) else []:
+        if isinstance(name, str) and name in properties:
+            needs.append(properties[name])
+        elif isinstance(name, str) and not node.get("patternProperties"):  # a pattern may take it: not followed
+            needs.append(node.get("additionalProperties", True))
+    return needs
+
+
+def _array_needs(node: dict[str, Any]) -> list[Any]:
+    """The schemas of its first minItems items: prefixItems then items (draft 7: items then additionalItems)."""
+    count = node.get("minItems", 0)
+    if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+        return []
+    prefix, rest = node.get("prefixItems"), node.get("items", True)
+    if not isinstance(prefix, list):
+        prefix, rest = (rest, node.get("additionalItems", True)) if isinstance(rest, list) else ([], rest)
+    return prefix[:count] + ([rest] if count > len(prefix) else [])
+
+
+def _resolve(ref: str, root: dict[str, Any]) -> Any:
+    """The schema a local $ref ("#", "#/$defs/x", any JSON pointer) names; `true` (nothing followed)
+    for the rest: an anchor, another document, a pointer to nothing (llguidance refuses that)."""
+    pointer = unquote(ref[1:]) if ref.startswith("#") else None
+    if pointer is None or (pointer and not pointer.startswith("/")):
+        return True
+    node: Any = root
+    for token in pointer.split("/")[1:]:
+        token = token.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and token in node:
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            return True
+    return node
 
 
 class GrammarCompiler:
@@ -140,9 +284,8 @@ class GrammarCompiler:
         import llguidance
 
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            return _refusal(so, matcher.get_error())
-        return matcher
+        error = matcher.get_error() if matcher.is_error() else _endless(so)
+        return _refusal(so, error) if error else matcher
 
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's view of the model's tokenizer, built on first use (about a second)."""
