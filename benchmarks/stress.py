@@ -8,6 +8,7 @@ check fails, so "the stress figures still hold" after a change is one command:
     .venv/bin/python benchmarks/stress.py                  # full sizes, ~5-6 min
     .venv/bin/python benchmarks/stress.py --only kill      # one check (names below)
     .venv/bin/python benchmarks/stress.py --quick --keep-tmp   # keep logs and outputs to look at
+    .venv/bin/python benchmarks/stress.py soak --minutes 10    # the soak: benchmarks/soak.py, its own options
 
 Checks (full size; --quick shrinks the counts, not the conditions: kill 80 lines and 2 SIGKILLs,
 streams 60 / 30, batch-restart 60 lines killed at ~20; the other three are the same in both):
@@ -813,6 +814,10 @@ def run_check(name: str, ctx: Context) -> Result:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["soak"]:  # a run of its own (mixed traffic for minutes), not a check: benchmarks/soak.py
+        import soak
+
+        return soak.main(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=list(CHECKS), action="append", help="run this check (repeatable)")
     parser.add_argument("--quick", action="store_true", help="smaller counts (same conditions)")

@@ -84,6 +84,45 @@ def test_refusals_name_the_field(body: dict[str, Any], param: str, words: str) -
     assert exc.value.param == param and words in str(exc.value)
 
 
+@pytest.mark.parametrize(("body", "param", "where"), [
+    ({"prompt": "a\udfffb"}, "prompt", "body.prompt holds a lone surrogate (\\udfff at character 1)"),
+    ({"prompt": ["ok", ["\ud800"]]}, "prompt", "body.prompt[1][0] holds a lone surrogate (\\ud800 at character 0)"),
+    ({"stop": ["x", "\udc00"]}, "stop", "body.stop[1] holds"),
+    ({"structured_outputs": {"choice": ["yes", "n\udfff"]}}, "structured_outputs",
+     "body.structured_outputs.choice[1] holds"),
+    ({"user": "\udfff"}, "user", "body.user holds"),  # ignored, yet no text
+    ({"a key": {"b\udfff": 1}}, "a key", 'body["a key"]["b\\udfff"] holds'),  # a key: named, escaped
+    ({"\udfff": 1}, None, 'body["\\udfff"] holds'),
+])
+def test_a_lone_surrogate_anywhere_is_refused_naming_where(body: dict[str, Any], param: str | None,
+                                                           where: str) -> None:
+    """Half a UTF-16 pair is no text: the tokenizer, the grammar compiler and the JSON of an error
+    would each fail on it. The message quotes it escaped, so that it can be sent."""
+    with pytest.raises(RequestError) as exc:
+        parse_request(COMPLETIONS_URL, {"prompt": "hi", **body})
+    assert exc.value.param == param and str(exc.value).startswith(where), str(exc.value)
+    str(exc.value).encode("utf-8")  # printable
+
+
+def test_broken_text_is_looked_for_in_any_body_cheaply() -> None:
+    """Nested as deep as a parser goes (no recursion limit), and past a long token-id list."""
+    deep: Any = "\udfff"
+    for _ in range(2000):
+        deep = [deep]
+    with pytest.raises(RequestError, match=r"body\.x(\[0\]){2000} holds a lone surrogate"):
+        parse_request(COMPLETIONS_URL, {"prompt": "hi", "x": deep})
+    parse_request(COMPLETIONS_URL, {"prompt": list(range(100_000)), "stop": ["a\x00b"], "x": "é\U0001f600"})
+
+
+@pytest.mark.parametrize("spec", [{"name": 5}, {"description": ["d"]}, {"strict": "yes"}])
+def test_a_json_schema_options_type_is_checked_as_live(spec: dict[str, Any]) -> None:
+    """Ignored, but of their type: a batch line refuses what a live request does."""
+    name = next(iter(spec))
+    body = {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string"}, **spec}}}
+    with pytest.raises(RequestError, match=rf"body\.response_format\.json_schema\.{name} must be"):
+        parse_request(CHAT_URL, {**CHAT, **body})
+
+
 @pytest.mark.parametrize(("body", "words"), [
     ({"logprobs": 6}, "body.logprobs must be in [0, 5], got 6"),
     ({"logprobs": True}, "body.logprobs must be an integer, got true"),

@@ -64,8 +64,14 @@ class RequestError(ValueError):
     `param` is that field (OpenAI's error `param`), or None when no one field is at fault."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
+        super().__init__(printable(message))
         self.param = param
+
+
+def printable(text: str) -> str:
+    """`text` with any lone surrogate written as its escape (`\\udfff`): it has no UTF-8 form, so
+    an error message or row quoting one could not be sent or written at all."""
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 ID_HEX_DIGITS = 24  # after an id's prefix: 12 random bytes in lowercase hex
@@ -124,6 +130,7 @@ def parse_request(url: str, body: dict[str, Any], *, fields_checked: bool = Fals
     long for the context is the engine's to refuse). `fields_checked`: `check_fields` has already
     passed on this body (jobs/spec.py runs it on every line), so it is not run again. Raises
     RequestError."""
+    check_text(body)
     for name in UNSUPPORTED_FIELDS:
         if body.get(name) not in (None, False, 0, [], {}):
             raise RequestError(f"body.{name} is not supported by tokenmill", name)
@@ -135,6 +142,74 @@ def parse_request(url: str, body: dict[str, Any], *, fields_checked: bool = Fals
     if url == CHAT_URL:
         return OpenAIRequest(url, None, chat_messages(body["messages"]), template_kwargs(body), params, structured)
     return OpenAIRequest(url, body["prompt"], None, None, params, structured)
+
+
+# A lone half of a UTF-16 surrogate pair: what a JSON "\udfff" escape without its other half reads
+# as (the parsers join a whole pair into one character, so any left is broken text). It has no UTF-8
+# form: a tokenizer, a grammar compiler or a response quoting it fails on it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SCALARS = frozenset({int, float, bool, type(None)})  # values that hold no text
+_NAME = re.compile(r"[A-Za-z_]\w*", re.ASCII)  # a key a path names as `.key`; others as `["key"]`
+
+
+def check_text(body: dict[str, Any]) -> None:
+    """Refuse a body with a lone surrogate in any string, key or value, at any depth, naming where
+    (`body.messages[0].content`), before anything tries to encode it. Raises RequestError."""
+    found = _lone_surrogate(body)
+    if found is None:
+        return
+    path, char, at = found
+    top = path[0] if path and isinstance(path[0], str) and _surrogate_at(path[0]) is None else None
+    raise RequestError(_not_text(json_path(path), char, at), top)
+
+
+def check_string(text: str, where: str) -> None:
+    """`check_text` for one string outside a body (a batch line's custom_id), named `where`."""
+    if (at := _surrogate_at(text)) is not None:
+        raise RequestError(_not_text(where, text[at], at))
+
+
+def _not_text(where: str, char: str, at: int) -> str:
+    return (f"{where} holds a lone surrogate ({ascii(char)[1:-1]} at character {at}), which is not text: "
+            "a \\ud800-\\udfff escape must be one half of a pair")
+
+
+def json_path(path: tuple[str | int, ...], root: str = "body") -> str:
+    """Where a value is in a body, as messages name it: `body.messages[0].content`."""
+    def step(part: str | int) -> str:
+        if isinstance(part, int):
+            return f"[{part}]"
+        return f".{part}" if _NAME.fullmatch(part) else f"[{json.dumps(part)}]"  # json.dumps: escaped, printable
+
+    return root + "".join(map(step, path))
+
+
+def _lone_surrogate(body: dict[str, Any]) -> tuple[tuple[str | int, ...], str, int] | None:
+    """The first string (in document order) holding a lone surrogate: its path (a key's path ends
+    at the key), the surrogate, its index. A loop, not recursion: a body may nest ~900 levels deep."""
+    todo: list[tuple[tuple[str | int, ...], Any]] = [((), body)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            if (at := _surrogate_at(value)) is not None:
+                return path, value[at], at
+        elif isinstance(value, dict):
+            for key in value:
+                if isinstance(key, str) and (at := _surrogate_at(key)) is not None:
+                    return (*path, key), key[at], at
+            todo.extend(((*path, key), item) for key, item in reversed(value.items())
+                        if isinstance(item, (str, list, dict)))
+        elif isinstance(value, list) and not _SCALARS.issuperset(map(type, value)):  # token ids: one C loop
+            todo.extend(((*path, i), value[i]) for i in range(len(value) - 1, -1, -1)
+                        if isinstance(value[i], (str, list, dict)))
+    return None
+
+
+def _surrogate_at(text: str) -> int | None:
+    if text.isascii():  # a flag lookup: only text that could hold a surrogate is searched
+        return None
+    match = _SURROGATE.search(text)
+    return None if match is None else match.start()
 
 
 def template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -271,6 +346,8 @@ STRUCTURED_OUTPUTS_FIELDS = (
 )
 STRUCTURED_OUTPUTS_KINDS = tuple(f.name for f in fields(StructuredOutputsParams))  # json, json_object, choice, ...
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+# response_format.json_schema's fields beside `schema`: their types, and how a message says them.
+JSON_SCHEMA_OPTIONS = (("name", str, "a string"), ("description", str, "a string"), ("strict", bool, "true or false"))
 
 
 def structured_outputs_fields(body: dict[str, Any]) -> list[str]:
@@ -337,11 +414,15 @@ def _response_format(value: Any) -> dict[str, Any]:
         raise RequestError(f'body.response_format must be an object with a "type" of '
                            f"{', '.join(RESPONSE_FORMAT_TYPES)}, got {_show(value)}", "response_format")
     # `name` is required by OpenAI but changes nothing here: a body without it is served. `strict`
-    # is accepted and ignored: the schema is always enforced.
+    # is accepted and ignored: the schema is always enforced. Still, each has its type, as live.
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
         raise RequestError(f'body.response_format.json_schema must be an object with a "schema", got {_show(spec)}',
                            "response_format")
+    for name, kind, said in JSON_SCHEMA_OPTIONS:
+        if spec.get(name) is not None and not isinstance(spec[name], kind):
+            raise RequestError(f"body.response_format.json_schema.{name} must be {said}, got {_show(spec[name])}",
+                               "response_format")
     schema = spec.get("schema")
     if not isinstance(schema, dict):
         raise RequestError(f"body.response_format.json_schema.schema must be a JSON schema (an object), "

@@ -173,3 +173,81 @@ def test_kill_during_the_second_tier_then_rerun_answers_every_row_exactly_once(j
 
 def _lines(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def _tiers(stub: StubServer) -> list[str]:
+    return ["--tier", tier(stub, "cheap", 1, 2), "--tier", tier(stub, "dear", 10, 20), "--accept", "min-logprob>=-1"]
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+@pytest.mark.parametrize("where", ["results.jsonl", "errors.jsonl", "summary.json", "cascade.json",
+                                   "tiers/cheap/results.jsonl", "tiers/dear/input.jsonl"])
+def test_a_cascade_never_writes_over_its_input(stub: StubServer, job: Path, tmp_path: Path, capsys: Any,
+                                               where: str, overwrite: list[str]) -> None:
+    out = tmp_path / "out"
+    inside = out / where
+    inside.parent.mkdir(parents=True)
+    job.rename(inside)
+    before = inside.read_bytes()
+    assert cascade(inside, out, *_tiers(stub), *overwrite) == 2
+    err = capsys.readouterr().err
+    assert "destroy its own input" in err and str(inside) in err
+    assert inside.read_bytes() == before and not stub.bodies
+
+
+def test_a_cascade_rerun_on_an_input_edited_in_place_is_refused(stub: StubServer, job: Path, tmp_path: Path,
+                                                                 capsys: Any) -> None:
+    out = tmp_path / "out"
+    assert cascade(job, out, *_tiers(stub)) == 0
+    write_jsonl(job, [{"id": f"n{i}", "prompt": f"review {i}"} for i in range(ROWS)])  # same path, new rows
+    sent = len(stub.bodies)
+    assert cascade(job, out, *_tiers(stub)) == 2
+    assert "the input's contents" in capsys.readouterr().err and len(stub.bodies) == sent
+    assert cascade(job, out, *_tiers(stub), "--overwrite") == 0
+    assert sorted(r["custom_id"] for r in read_jsonl(out / "results.jsonl")) == sorted(f"n{i}" for i in range(ROWS))
+
+
+def test_a_finished_tier_is_rerun_only_on_the_rows_it_finished(stub: StubServer, job: Path, tmp_path: Path,
+                                                                capsys: Any) -> None:
+    out = tmp_path / "out"
+    assert cascade(job, out, *_tiers(stub)) == 0
+    handed_on = out / "tiers" / "dear" / "input.jsonl"
+    handed_on.write_text(handed_on.read_text().replace("review", "edited"))
+    assert cascade(job, out, *_tiers(stub)) == 2
+    assert "tier dear finished on another" in capsys.readouterr().err
+
+
+def test_a_cascade_recorded_before_input_identities_is_resumed(stub: StubServer, job: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert cascade(job, out, *_tiers(stub)) == 0
+    record = json.loads((out / "cascade.json").read_text())
+    del record["input_identity"]
+    (out / "cascade.json").write_text(json.dumps(record))
+    sent = len(stub.bodies)
+    assert cascade(job, out, *_tiers(stub)) == 0 and len(stub.bodies) == sent
+    assert "input_identity" in json.loads((out / "cascade.json").read_text())
+
+
+def test_a_duplicate_id_keeps_its_error_row_and_its_twin_its_answer(stub: StubServer, job: Path,
+                                                                     tmp_path: Path) -> None:
+    """r1 is answered confidently by the cheap tier; a second line with id r1 is a bad line, which
+    must neither be lost nor send the first r1 on to the dear tier."""
+    rows = [{"id": f"r{i}", "prompt": f"review {i}"} for i in range(ROWS)] + [{"id": "r1", "prompt": "review 5"}]
+    write_jsonl(job, rows)
+    out = tmp_path / "out"
+    assert cascade(job, out, *_tiers(stub)) == 1  # a row failed
+    results, errors = read_jsonl(out / "results.jsonl"), read_jsonl(out / "errors.jsonl")
+    assert sorted(r["custom_id"] for r in results) == sorted(f"r{i}" for i in range(ROWS))
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("r1", "invalid_input")]
+    assert errors[0]["error"]["message"].startswith(f"line {ROWS + 1}: ")
+    assert next(r for r in results if r["custom_id"] == "r1")["cascade"]["tier"] == "cheap"
+
+
+def test_a_second_cascade_on_a_folder_is_refused(stub: StubServer, job: Path, tmp_path: Path, capsys: Any) -> None:
+    from tokenmill.jobs.guard import OutputLock
+
+    out = tmp_path / "out"
+    with OutputLock(out / "results.lock", out):  # as a cascade still running on it holds it
+        assert cascade(job, out, *_tiers(stub)) == 2
+    assert "being written by another tokenmill" in capsys.readouterr().err and not stub.bodies
+    assert cascade(job, out, *_tiers(stub)) == 0

@@ -234,3 +234,33 @@ def test_a_candidate_whose_flags_changed_under_the_same_name_is_refused_not_mixe
     rows = by_name(report(out))
     assert rows["good"]["status"] == "failed" and "max_tokens was unset, now 5" in rows["good"]["reason"]
     assert rows["bad"]["status"] == "done"
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+@pytest.mark.parametrize(("which", "where"), [
+    (0, "sample.jsonl"), (0, "candidates/good/results.jsonl"), (1, "choose.json"), (1, "report.json"),
+    (1, "judge/good/requests.jsonl"),
+])
+def test_choose_never_writes_over_its_job_or_expected_file(stub: StubServer, job: tuple[Path, Path], tmp_path: Path,
+                                                          capsys: Any, which: int, where: str,
+                                                          overwrite: list[str]) -> None:
+    out = tmp_path / "out"
+    inside = out / where
+    inside.parent.mkdir(parents=True)
+    job[which].rename(inside)
+    moved = (inside, job[1]) if which == 0 else (job[0], inside)
+    before = inside.read_bytes()
+    assert choose(moved, out, "--min-quality", "0.5", "--candidate", endpoint(stub, "good"), *overwrite) == 2
+    err = capsys.readouterr().err
+    assert "destroy its own input" in err and str(inside) in err
+    assert inside.read_bytes() == before and not stub.bodies
+
+
+def test_a_second_choose_on_a_folder_is_refused(stub: StubServer, job: tuple[Path, Path], tmp_path: Path,
+                                                capsys: Any) -> None:
+    from tokenmill.jobs.guard import OutputLock
+
+    out = tmp_path / "out"
+    with OutputLock(out / "results.lock", out):
+        assert choose(job, out, "--min-quality", "0.5", "--candidate", endpoint(stub, "good")) == 2
+    assert "being written by another tokenmill" in capsys.readouterr().err and not stub.bodies

@@ -122,6 +122,34 @@ def test_an_endpoint_that_never_comes_back_ends_the_job_resumably(
     assert read_jsonl(config.output / "errors.jsonl") == []
 
 
+
+@pytest.mark.parametrize("simple", [False, True], ids=["batch-lines", "simple-lines"])
+def test_text_that_is_not_text_is_a_bad_line_not_a_failed_job(tmp_path: Path, simple: bool) -> None:
+    """A lone surrogate (a JSON "\\udfff" escape without its other half) can be neither sent nor
+    written: in an id, a prompt, a message or a field name it makes its line an error row, named,
+    and the other lines run (it used to end the job with orjson's TypeError)."""
+    odd = "a\udfffb"
+    if simple:
+        rows = [{"id": "r-0", "prompt": "fine"}, {"id": odd, "prompt": "x"}, {"id": "r-2", "prompt": odd},
+                {"id": "r-3", "messages": [{"role": "user", "content": odd}]}, {"id": "r-4", "prompt": "fine"}]
+        named = ['"id" holds', '"prompt" holds', "messages[0].content holds"]
+    else:
+        rows = [batch_line("r-0", "fine"), batch_line(odd, "x"), batch_line("r-2", odd),
+                batch_line("r-3", "x", **{odd: 1}), batch_line("r-4", "fine")]
+        named = ['"custom_id" holds', "body.messages[0].content holds", f"body[{json.dumps(odd)}] holds"]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))  # ASCII: the surrogate as its escape
+    config = JobConfig(input=path, output=tmp_path / "out", options=DocumentOptions(max_tokens=4), progress=False)
+    with StubServer() as stub:
+        assert run_job(config, backend(stub)).status == "failed"  # done, with error rows
+    assert_exactly_once(config.output, len(rows))
+    assert sorted(row["custom_id"] for row in read_jsonl(config.output / "results.jsonl")) == ["r-0", "r-4"]
+    errors = read_jsonl(config.output / "errors.jsonl")
+    assert [row["custom_id"] for row in errors] == [None, "r-2", "r-3"]
+    for row, (line, field) in zip(errors, zip([2, 3, 4], named, strict=True), strict=True):
+        assert row["error"]["code"] == "invalid_input"
+        assert row["error"]["message"].startswith(f"line {line}: {field} a lone surrogate (\\udfff at character ")
+
 def test_a_stop_wakes_workers_held_by_an_open_breaker(tmp_path: Path) -> None:
     stop = StopFlag()
     with StubServer() as stub:

@@ -185,6 +185,27 @@ def test_format_detection_and_forcing(tmp_path: Path) -> None:
     assert read_input(plain, DocumentOptions()).format == "text"
 
 
+JUNK = ["{ this was cut off", "and this is no JSON at all"]  # a torn first record, or a stray note
+
+
+@pytest.mark.parametrize("name", ["in.jsonl", "in.ndjson", "in.JSONL", "no-suffix"])
+def test_junk_first_lines_of_json_lines_are_bad_lines_not_text(tmp_path: Path, name: str) -> None:
+    path = write_jsonl(tmp_path / name, [*JUNK, batch_line("a", "x"), batch_line("b", "y")])
+    spec = read_input(path, DocumentOptions())
+    assert spec.format == "batch"
+    assert [e.custom_id for e in spec.entries] == ["a", "b"]
+    assert [e.line for e in spec.errors] == [1, 2]
+
+
+def test_a_jsonl_is_never_text_and_a_first_object_that_is_no_request_decides_nothing(tmp_path: Path) -> None:
+    words = write_jsonl(tmp_path / "in.jsonl", ["just words", {"prompt": "x"}])
+    spec = read_input(words, DocumentOptions())
+    assert spec.format == "jsonl" and [e.line for e in spec.errors] == [1] and len(spec.entries) == 1
+    noted = write_jsonl(tmp_path / "noted.jsonl", [{"note": "exported 2026-12-01"}, batch_line("a", "x")])
+    assert read_input(noted, DocumentOptions()).format == "batch"
+    assert read_input(write_jsonl(tmp_path / "in.txt", [batch_line("a", "x")]), DocumentOptions()).format == "text"
+
+
 def test_sha256_covers_the_whole_file(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "in.jsonl", [batch_line("a", "x")])
     first = read_input(path, DocumentOptions()).sha256

@@ -240,6 +240,32 @@ def test_a_bad_batch_option_is_a_400_naming_it(serve_llm, tmp_path: Path) -> Non
         assert httpx.get(f"{server.v1}/batches").json()["data"] == []  # none was created
 
 
+def test_batch_metadata_is_held_to_openais_limits(serve_llm, tmp_path: Path) -> None:
+    """16 keys at most, each of at most 64 characters, each value a string of at most 512 (OpenAI's
+    limits): the object is stored, rewritten at every status change and listed, so it stays small."""
+    most = {f"key-{i:02}-".ljust(64, "k"): "v" * 512 for i in range(16)}  # every limit, just reached
+    refused = [
+        ({**most, "one-more": "v"}, "metadata: at most 16 keys, got 17"),
+        ({"k" * 65: "v"}, f"metadata.{'k' * 65}: a key of 65 characters; at most 64"),
+        ({"a key": "v" * 513}, 'metadata["a key"]: a value of 513 characters; at most 512'),
+        ({"run": 5}, "metadata.run: Input should be a valid string"),
+        ({"run": "a\udfffb"}, "body.metadata.run holds a lone surrogate"),
+    ]
+    with serving(serve_llm, tmp_path) as server:
+        file_id = upload(server, batch_file(1, bad=False)).json()["id"]
+        body = {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}
+        for metadata, message in refused:
+            response = httpx.post(f"{server.v1}/batches", content=json.dumps({**body, "metadata": metadata}),
+                                  headers={"Content-Type": "application/json"})
+            assert response.status_code == 400, (message, response.text)
+            error = response.json()["error"]
+            assert error["param"] == "metadata" and error["message"].startswith(message), error
+        assert httpx.get(f"{server.v1}/batches").json()["data"] == []  # none was created
+        created = httpx.post(f"{server.v1}/batches", json={**body, "metadata": most})
+        assert created.status_code == 200 and created.json()["metadata"] == most
+        assert httpx.get(f"{server.v1}/batches/{created.json()['id']}").json()["metadata"] == most
+
+
 def upload(server, data: bytes, purpose: str = "batch") -> httpx.Response:
     return httpx.post(f"{server.v1}/files", files={"file": ("in.jsonl", data)}, data={"purpose": purpose})
 

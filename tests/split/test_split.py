@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -102,3 +103,32 @@ def test_an_earlier_split_is_refused_or_replaced_and_limits_checked(
     assert main(["split", str(tmp_path / "in.txt"), "-o", str(tmp_path / "x"), "--max-requests", "0"]) == 2
     assert "--max-requests must be positive" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+@pytest.mark.parametrize("name", ["part-00001.jsonl", "errors.jsonl"])
+def test_a_split_never_writes_over_its_input(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str,
+                                             overwrite: list[str]) -> None:
+    out = tmp_path / "parts"
+    out.mkdir()
+    path = out / name
+    path.write_text("".join(json.dumps({"prompt": f"document {i}"}) + "\n" for i in range(5)))
+    before = path.read_bytes()
+    assert main(["split", str(path), "-o", str(out), "--max-requests", "2", "--model", "m", *overwrite]) == 2
+    err = capsys.readouterr().err
+    assert "destroy its own input" in err and str(path) in err
+    assert path.read_bytes() == before and sorted(p.name for p in out.iterdir()) == [name]
+
+
+def test_a_second_split_into_a_folder_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tokenmill.jobs.guard import OutputLock
+
+    (tmp_path / "in.txt").write_text("one\ntwo\n")
+    out = tmp_path / "parts"
+    out.mkdir()
+    with OutputLock(out, out):  # a split locks the folder itself, so nothing but parts lies in it
+        assert main(["split", str(tmp_path / "in.txt"), "-o", str(out), "--model", "m"]) == 2
+    assert f"being written by another tokenmill (pid {os.getpid()}; lock {out})" in capsys.readouterr().err
+    assert not list(out.iterdir())
+    assert main(["split", str(tmp_path / "in.txt"), "-o", str(out), "--model", "m"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["part-00001.jsonl"]

@@ -38,9 +38,18 @@ from tokenmill.choose.acceptance import Acceptance, AcceptanceError, acceptance_
 from tokenmill.choose.candidates import Candidate
 from tokenmill.choose.runs import log_run, timed
 from tokenmill.jobs.backend_specs import build_backend
-from tokenmill.jobs.output import JobError, JobFailed, OutputPaths, is_final, usage_of, write_json_atomic
+from tokenmill.jobs.guard import Footprint, OutputLock, refuse_inputs_in, with_temporaries
+from tokenmill.jobs.output import (
+    INVALID_INPUT,
+    JobError,
+    JobFailed,
+    OutputPaths,
+    is_final,
+    usage_of,
+    write_json_atomic,
+)
 from tokenmill.jobs.runner import run_job
-from tokenmill.jobs.spec import DocumentOptions, read_input
+from tokenmill.jobs.spec import DocumentOptions, input_identity, read_input
 from tokenmill.jobs.subset import write_subset
 from tokenmill.jobs.summary import print_summary
 
@@ -79,47 +88,78 @@ def run_cascade(config: CascadeConfig, console: Console) -> CascadeOutcome:
         if uncalibrated := [c.text for c in acceptance.checks if c.calibrated]:
             raise JobError(f"--accept {uncalibrated[0]} needs a threshold (e.g. {uncalibrated[0]}>=-1); "
                            "`tokenmill choose` can calibrate one on a labelled sample")
-    _claim(config)
+    paths = OutputPaths.from_option(config.output)
+    refuse_inputs_in(_footprint(config, paths), {"the input": config.input})
+    with OutputLock(paths.lock, config.output):
+        _claim(config, paths)
+        _run_tiers(config, checks, console)
+        return _assemble(config, paths)
+
+
+def _footprint(config: CascadeConfig, paths: OutputPaths) -> Footprint:
+    """What the cascade writes: its own files, and every tier's folder."""
+    return Footprint(with_temporaries((*paths.files, config.output / CASCADE_FILE)), (config.output / TIERS,))
+
+
+def _run_tiers(config: CascadeConfig, checks: list[Acceptance], console: Console) -> None:
     source, fmt = config.input, config.input_format
     for i, tier in enumerate(config.tiers):
         folder = config.output / TIERS / tier.name
         acceptance = checks[i] if i < len(checks) else None
-        if not (folder / DONE_FILE).exists():
+        if (folder / DONE_FILE).exists():
+            _check_done(tier, source, folder)
+        else:
             _run_tier(tier, source, fmt, folder, acceptance, config, console, first=i == 0)
         if acceptance is not None:
             after = config.output / TIERS / config.tiers[i + 1].name
             if not (after / TIER_INPUT).exists():
                 _hand_on(tier.name, source, fmt, folder, acceptance, config, after)
             source, fmt = after / TIER_INPUT, "auto"
-    return _assemble(config)
 
 
-def _claim(config: CascadeConfig) -> None:
+def _claim(config: CascadeConfig, paths: OutputPaths) -> None:
     """Record what this folder's cascade is; a folder holding another is refused (or cleared with
     --overwrite), since its tiers' answers would not be this cascade's."""
-    record = {"input": str(config.input), "tiers": [{"name": t.name, "flags": t.flags_text} for t in config.tiers],
-              "accept": config.accept}
+    record = {"input": str(config.input), "input_identity": input_identity(config.input),
+              "tiers": [{"name": t.name, "flags": t.flags_text} for t in config.tiers], "accept": config.accept}
     path = config.output / CASCADE_FILE
     if config.overwrite:
         shutil.rmtree(config.output / TIERS, ignore_errors=True)
-        for name in (CASCADE_FILE, "results.jsonl", "errors.jsonl", "summary.json"):
-            (config.output / name).unlink(missing_ok=True)
+        for file in (path, paths.results, paths.errors, paths.summary):
+            file.unlink(missing_ok=True)
     if path.exists():
         old = json.loads(path.read_text())
-        if old != record:
-            changed = [k for k in record if old.get(k) != record[k]]
-            raise JobError(f"{config.output} holds another cascade ({', '.join(changed)} differ); use another -o, "
-                           "or --overwrite to discard it and its tiers' answers")
-        return
+        _check_same_cascade(config.output, {"input_identity": record["input_identity"], **old}, record)
+        if "input_identity" in old:
+            return  # else recorded before cascades kept their input's identity: the rest decided, now it is kept
     config.output.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, record)
+
+
+_RECORDED = {"input": "the input's path", "input_identity": "the input's contents (size, sha256 of its ends)",
+             "tiers": "the tiers", "accept": "the --accept checks"}
+
+
+def _check_same_cascade(output: Path, old: dict[str, Any], record: dict[str, Any]) -> None:
+    changed = [_RECORDED[k] for k in record if old.get(k) != record[k]]
+    if changed:
+        raise JobError(f"{output} holds another cascade ({'; '.join(changed)} differ); use another -o, or "
+                       "--overwrite to discard it and its tiers' answers")
+
+
+def _check_done(tier: Candidate, source: Path, folder: Path) -> None:
+    """A finished tier is not run again: only if the rows it finished are still the ones it is given."""
+    recorded = json.loads((folder / DONE_FILE).read_text()).get("input_identity")
+    if recorded is not None and recorded != input_identity(source):
+        raise JobError(f"tier {tier.name} finished on another {source} than the one there now (edited since?); "
+                       "use --overwrite to run the cascade again")
 
 
 def _run_tier(tier: Candidate, source: Path, fmt: str, folder: Path, acceptance: Acceptance | None,
               config: CascadeConfig, console: Console, first: bool) -> None:
     """Run (or resume) one tier's job until every row it was given is final."""
     if not first and not _has_rows(source):  # the tier before accepted every answer
-        write_json_atomic(folder / DONE_FILE, {"rows": 0})
+        _write_done(folder, source, 0)
         return
     job = tier.job_config(source, folder, config.progress)
     options = replace(job.options, prompt_column=config.csv_columns.prompt_column,
@@ -140,7 +180,11 @@ def _run_tier(tier: Candidate, source: Path, fmt: str, folder: Path, acceptance:
     if req.not_done or req.retryable:
         raise JobFailed(f"tier {tier.name}: {req.not_done + req.retryable} row(s) not final (retryable failures "
                         "or not done); re-run the same command to resume")
-    write_json_atomic(folder / DONE_FILE, {"rows": req.total})
+    _write_done(folder, source, req.total)
+
+
+def _write_done(folder: Path, source: Path, rows: int) -> None:
+    write_json_atomic(folder / DONE_FILE, {"rows": rows, "input_identity": input_identity(source)})
 
 
 def _has_rows(path: Path) -> bool:
@@ -168,7 +212,9 @@ def _hand_on(name: str, source: Path, fmt: str, folder: Path, acceptance: Accept
             # A final error is never retried, so its row has no result beside it.
             for row in filter(is_final, _rows(paths.errors)):
                 custom_id = row.get("custom_id")
-                if custom_id in ids:
+                # A bad line ends here even where its id is a good line's (a duplicate id): it has
+                # no answer for a later tier to improve on.
+                if custom_id in ids and row["error"]["code"] != INVALID_INPUT:
                     rejected[custom_id] = f"failed: {row['error']['code']}"
                     audit.write({**row, "rejected": rejected[custom_id]})
                 else:  # a line no tier can read: it ends here
@@ -177,12 +223,12 @@ def _hand_on(name: str, source: Path, fmt: str, folder: Path, acceptance: Accept
     write_subset(Path(good.path), good.format, good.entries, good.csv_layout, rejected, after / TIER_INPUT)
 
 
-def _assemble(config: CascadeConfig) -> CascadeOutcome:
+def _assemble(config: CascadeConfig, paths: OutputPaths) -> CascadeOutcome:
     """OUT/results.jsonl and OUT/errors.jsonl from the tiers, and the summary."""
     escalations: dict[str, list[dict[str, str]]] = {}
     tiers: list[TierResult] = []
     out = config.output
-    with _Writer(out / "results.jsonl") as results, _Writer(out / "errors.jsonl") as errors:
+    with _Writer(paths.results) as results, _Writer(paths.errors) as errors:
         for i, tier in enumerate(config.tiers):
             folder = out / TIERS / tier.name
             last = i == len(config.tiers) - 1
@@ -209,9 +255,9 @@ def _assemble(config: CascadeConfig) -> CascadeOutcome:
             result.usd = (tier.price.cost(result.wall_s, result.prompt_tokens, result.completion_tokens)
                           if result.answered else 0.0)
             tiers.append(result)
-    outcome = CascadeOutcome(str(config.input), str(out / "results.jsonl"), str(out / "errors.jsonl"), tiers)
+    outcome = CascadeOutcome(str(config.input), str(paths.results), str(paths.errors), tiers)
     outcome.last_tier_alone = last_tier_alone(tiers)
-    write_json_atomic(out / "summary.json", outcome.to_json())
+    write_json_atomic(paths.summary, outcome.to_json())
     return outcome
 
 

@@ -16,7 +16,7 @@ from tokenmill.choose.candidates import Candidate, parse_candidate
 from tokenmill.choose.cascades import CascadeSpec, is_cascade, parse_cascade
 from tokenmill.choose.judge import DEFAULT_RUBRIC, check_rubric
 from tokenmill.choose.judge_job import JudgeConfig
-from tokenmill.choose.report import print_report, write_reports
+from tokenmill.choose.report import print_report, report_files
 from tokenmill.choose.results import CLEAR_BY, DONE
 from tokenmill.choose.runner import ChooseConfig, choose
 from tokenmill.choose.scorers import DEFAULT_SCORER, SCORERS
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     # A terminal's own width; 200 columns in a pipe or a log, where rich would assume 80 and squeeze the table.
     print_report(report, Console() if sys.stdout.isatty() else Console(width=200))
-    for kind, path in write_reports(report, args.output).items():
+    for kind, path in report_files(config.output).items():
         console.print(f"{kind}: {path}", markup=False, highlight=False)
     return EXIT_OK if all(c.status == DONE for c in report.candidates) else EXIT_NOT_ALL_DONE
 

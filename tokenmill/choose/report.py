@@ -189,10 +189,15 @@ def pareto_front(points: Sequence[tuple[str, float, float]]) -> list[str]:
     return [name for name, _, _ in sorted(front, key=lambda p: (p[1], -p[2], p[0]))]
 
 
-def write_reports(report: ChooseReport, out: Path) -> dict[str, Path]:
+def report_files(out: Path) -> dict[str, Path]:
     """report.md, report.json and report.png in `out`, by kind."""
+    return {"markdown": out / "report.md", "json": out / "report.json", "png": out / "report.png"}
+
+
+def write_reports(report: ChooseReport, out: Path) -> dict[str, Path]:
+    """The `report_files`, written."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"markdown": out / "report.md", "json": out / "report.json", "png": out / "report.png"}
+    paths = report_files(out)
     paths["markdown"].write_text(markdown(report))
     paths["json"].write_text(json.dumps(report.to_json(), indent=2) + "\n")
     plot(report, paths["png"])

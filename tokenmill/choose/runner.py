@@ -24,14 +24,16 @@ from tokenmill.choose.candidates import Candidate
 from tokenmill.choose.cascades import CascadeSpec, TierEvidence, evaluate
 from tokenmill.choose.expected import compare_ids, read_expected
 from tokenmill.choose.judge_job import JudgeConfig, judge_scores
+from tokenmill.choose.report import report_files, write_reports
 from tokenmill.choose.results import DONE, FAILED, INCOMPLETE, CandidateResult, ChooseReport, Projection
 from tokenmill.choose.runs import log_run, projected_wall, timed
-from tokenmill.choose.sample import JobRows, Sample, prepare_sample, read_job
+from tokenmill.choose.sample import RUN_FOLDERS, JobRows, Sample, prepare_sample, read_job, sample_files
 from tokenmill.choose.scorers import DEFAULT_SCORER, Score, make_scorer
 from tokenmill.choose.stats import decide, quality
 from tokenmill.cost import MILLION
 from tokenmill.jobs.backend_specs import build_backend
 from tokenmill.jobs.endpoint import EndpointBackend
+from tokenmill.jobs.guard import Footprint, OutputLock, refuse_inputs_in, with_temporaries
 from tokenmill.jobs.output import (
     JobError,
     JobFailed,
@@ -72,9 +74,23 @@ class ChooseConfig:
 
 
 def choose(config: ChooseConfig, console: Console) -> ChooseReport:
-    """Run every candidate on the sample and decide. Raises JobError for input that cannot be
-    used (before any run), ScorerError for a scorer that fails on a row, KeyboardInterrupt when
-    stopped (what ran is kept: the same command resumes)."""
+    """Run every candidate on the sample, decide, and write the reports (report.report_files).
+    Raises JobError for input that cannot be used (before any run), ScorerError for a scorer that
+    fails on a row, KeyboardInterrupt when stopped (what ran is kept: the same command resumes)."""
+    refuse_inputs_in(_footprint(config.output), {"the job": config.job, "--expected": config.expected})
+    with OutputLock(OutputPaths.from_option(config.output).lock, config.output):
+        report = _choose(config, console)
+        write_reports(report, config.output)
+        return report
+
+
+def _footprint(out: Path) -> Footprint:
+    """What `choose` writes in its folder, `--overwrite` included."""
+    files = (*sample_files(out), *report_files(out).values(), OutputPaths.from_option(out).lock)
+    return Footprint(with_temporaries(files), tuple(out / name for name in RUN_FOLDERS))
+
+
+def _choose(config: ChooseConfig, console: Console) -> ChooseReport:
     job = read_job(config.job, config.input_format, config.csv_columns)
     expected = read_expected(config.expected)
     eligible = _eligible(job, expected, config)

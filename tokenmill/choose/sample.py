@@ -76,7 +76,7 @@ def prepare_sample(job: JobRows, eligible: list[str], size: int, seed: int, out:
     ids = draw(eligible, size, seed)
     record = {"job": str(job.path), "job_sha256": job.sha256, "seed": seed, "size": size,
               "ids_sha256": hashlib.sha256("\n".join(ids).encode()).hexdigest()}
-    path, record_path = out / SAMPLE_FILE, out / RECORD_FILE
+    path, record_path = sample_files(out)
     if overwrite:
         _clear(out)
     if record_path.exists() and path.exists():
@@ -93,8 +93,12 @@ def prepare_sample(job: JobRows, eligible: list[str], size: int, seed: int, out:
     return Sample(path, ids, reused=False)
 
 
+def sample_files(out: Path) -> tuple[Path, Path]:
+    return out / SAMPLE_FILE, out / RECORD_FILE
+
+
 def _clear(out: Path) -> None:
     for name in RUN_FOLDERS:
         shutil.rmtree(out / name, ignore_errors=True)
-    for name in (SAMPLE_FILE, RECORD_FILE):
-        (out / name).unlink(missing_ok=True)
+    for path in sample_files(out):
+        path.unlink(missing_ok=True)

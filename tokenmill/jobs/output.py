@@ -114,6 +114,16 @@ class OutputPaths:
     def data_files(self) -> tuple[Path, Path]:
         return self.results, self.errors
 
+    @property
+    def lock(self) -> Path:
+        """Held while a run writes these files (guard.OutputLock): `results.lock`, `res.lock`."""
+        return self.results.with_suffix(".lock")
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        """Every file a job writes here."""
+        return (*self.data_files, self.summary, self.job, self.backend_state, self.index, self.lock)
+
 
 # An error row names its input line at the start of its message: OpenAI's row has no field for it.
 _LINE_PREFIX = "line {}: "
@@ -283,6 +293,7 @@ class OutputState:
     repaired_bytes: int = 0  # torn tail cut off the files
     retrying: int = 0  # transient errors dropped from the errors file, to be tried again
     index_rebuilt: bool = False  # the done-index did not match the results (edited by hand?): they were read
+    duplicates_dropped: int = 0  # … and rows of a custom_id already there, cut from them
 
     def finished(self, line: int) -> bool:
         """Has a result or a final error: a re-run skips it without reading it."""
@@ -304,6 +315,11 @@ def scan_outputs(paths: OutputPaths) -> OutputState:
     else:  # a new job, one begun by a tokenmill without the index, or an index that lost its way
         unindexed, cut = repair_jsonl(paths.results)
         state.repaired_bytes += cut
+        unique = _first_of_each_id(unindexed)
+        if len(unique) < len(unindexed):  # answered twice: two runs wrote at once (before outputs were locked)
+            state.duplicates_dropped = len(unindexed) - len(unique)
+            rewrite_jsonl(paths.results, unique)
+            unindexed = unique
         create_index(paths.index, paths.results.stat().st_size if paths.results.exists() else 0)
         records = np.empty(0, INDEX_RECORD)
     count_done(state, records)
@@ -312,6 +328,20 @@ def scan_outputs(paths: OutputPaths) -> OutputState:
             state.unindexed[row["custom_id"]] = finish_reason_of((row.get("response") or {}).get("body")) == "length"
     scan_errors(state, paths.errors)
     return state
+
+
+def _first_of_each_id(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows, less any whose custom_id an earlier row has (ids are unique in an input)."""
+    seen: set[str] = set()
+    kept = []
+    for row in rows:
+        custom_id = row.get("custom_id")
+        if isinstance(custom_id, str):
+            if custom_id in seen:
+                continue
+            seen.add(custom_id)
+        kept.append(row)
+    return kept
 
 
 def _rows_before(path: Path, end: int) -> list[dict[str, Any]]:
@@ -369,7 +399,7 @@ def read_index(index: Path, results: Path) -> tuple[np.ndarray, int, int] | None
             return None
         base = int.from_bytes(header[8:], "little")
         records = np.fromfile(f, INDEX_RECORD, (index.stat().st_size - INDEX_HEADER) // INDEX_RECORD.itemsize)
-    if base > size:
+    if base > size or not _in_row_order(records, base):
         return None
     kept = _committed(records, base, results, size)
     if kept is None or not _matches_results(records[:kept], base, results):
@@ -380,6 +410,13 @@ def read_index(index: Path, results: Path) -> tuple[np.ndarray, int, int] | None
     if size > end:
         _truncate(results, end)
     return records[:kept], base, size - end
+
+
+def _in_row_order(records: np.ndarray, base: int) -> bool:
+    """Whether each record's row ends past the one before (past `base`, the first): not so when
+    two runs wrote one output at once (an older tokenmill had no lock), or the index was edited."""
+    ends = records["end"]
+    return not len(ends) or (int(ends[0]) > base and bool(np.all(ends[1:] > ends[:-1])))
 
 
 def _committed(records: np.ndarray, base: int, results: Path, size: int) -> int | None:

@@ -25,7 +25,8 @@ not follow the last committed part (the spool is another machine's past, or a co
 but its note did not) is discarded, and what it held beyond the parts is run again. So only
 committed parts count: a row is durable once its part is committed, a lost machine costs at
 most --part-rows rows (or one run's tail) done again, and no row is ever in two parts. One run
-at a time per output: two machines running the same output at once are not protected against.
+at a time per output: on one machine a second run is refused (guard.OutputLock, on the spool
+for a URL); two machines running the same URL output at once are not protected against.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import numpy as np
 from tokenmill.environment import cache_root
 from tokenmill.jobs import output, storage
 from tokenmill.jobs.config import JobConfig
+from tokenmill.jobs.guard import Footprint, with_temporaries
 from tokenmill.jobs.output import (
     INDEX_HEADER,
     INDEX_MAGIC,
@@ -253,6 +255,17 @@ class JobOutput:
     @property
     def _marker(self) -> Path:
         return self.paths.job.parent / MARKER
+
+    def footprint(self) -> Footprint:
+        """Every file and folder this job writes or deletes (`--overwrite` included)."""
+        journal = Footprint(with_temporaries((*self.paths.files, self._marker) if self.remote else self.paths.files))
+        if self.remote:
+            assert self.store is not None
+            small = tuple(self.store.url(name) for name in (ERRORS, SUMMARY, JOB_FILE))
+            return journal + Footprint(small, (self.store.url(RESULTS), self.store.url(INDEX)))
+        if storage.suffix(self.config.output) == ".jsonl":
+            return journal
+        return journal + Footprint(folders=(Path(self.config.output) / RESULTS, Path(self.config.output) / INDEX))
 
     # ---- claiming ------------------------------------------------------------------------------
     def claim(self, job: dict[str, Any], overwrite: bool) -> bool:

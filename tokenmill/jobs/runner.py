@@ -22,6 +22,7 @@ from rich.console import Console
 from tokenmill.jobs import output
 from tokenmill.jobs.backend import Backend, BackendStats, KeepsState, ResultSink, StopFlag
 from tokenmill.jobs.config import JobConfig
+from tokenmill.jobs.guard import OutputLock, refuse_inputs_in
 from tokenmill.jobs.output import JobError, JsonlAppender, OutputPaths, OutputState
 from tokenmill.jobs.parts import JobOutput
 from tokenmill.jobs.progress import JobProgress
@@ -67,12 +68,21 @@ def run_job(
     by the caller to stop the job from another thread (the server's Batch API)."""
     console = console or Console(stderr=True)
     files = JobOutput(config, say=lambda text: say(console, text))
-    paths = files.paths  # the local journal: the output folder, or a URL output's spool
+    refuse_inputs_in(files.footprint(), {"the input": config.input})
     stream = InputStream(config.input, config.options, config.input_format, backend.check)
     if not stream.has_records():
         raise JobError(f"{config.input}: no requests (the file is empty)")
     if config.strict:
         check_every_line(stream)
+    with OutputLock(files.paths.lock, config.output):  # before the output is touched
+        return _run_locked(config, backend, console, stop, files, stream)
+
+
+def _run_locked(
+    config: JobConfig, backend: Backend, console: Console, stop: StopFlag | None, files: JobOutput,
+    stream: InputStream,
+) -> JobOutcome:
+    paths = files.paths  # the local journal: the output folder, or a URL output's spool
     settings = {"format": stream.format, "backend": backend.kind, "model": backend.model,
                 **config.options.fingerprint(), **config.output_fingerprint()}
     job = output.job_record(config.input, input_identity(config.input), settings)
@@ -156,6 +166,9 @@ def _announce(console: Console, paths: OutputPaths, state: OutputState, resumed:
     if state.index_rebuilt:
         say(console, f"{paths.index.name} did not match {paths.results.name} (edited by hand?): read the results "
                      "instead, and began a new index")
+    if state.duplicates_dropped:
+        say(console, f"removed {state.duplicates_dropped} row(s) from {paths.results.name} whose custom_id an earlier "
+                     "row has (two runs wrote it at once?): each line has one result again")
     if state.repaired_bytes:
         say(console, f"repaired a torn last line ({state.repaired_bytes} bytes cut) in the output")
     if resumed:

@@ -47,13 +47,19 @@ from tokenmill.openai_compat import (
     OpenAIRequest,
     RequestError,
     check_fields,
+    check_string,
+    check_text,
     parse_request,
+    printable,
     requested_max_tokens,
     structured_outputs_fields,
 )
 
 FORMATS = ("auto", "batch", "jsonl", "text", "csv")
 TEXT_SUFFIXES = (".txt", ".text", ".md")
+JSON_LINES_SUFFIXES = (".jsonl", ".ndjson", ".json")  # never read as text, whatever their first line
+BATCH_KEYS = frozenset({"custom_id", "body", "url", "method"})  # a line with one is in the batch format
+SIMPLE_KEYS = frozenset({"prompt", "messages"})  # … else with one of these, the simple form
 CSV_DELIMITERS = {".csv": ",", ".tsv": "\t"}  # by suffix; any other file read as CSV is comma-separated
 PROMPT_COLUMNS = ("prompt", "text")  # a CSV's prompt column when --prompt-column names none
 ID_COLUMNS = ("custom_id", "id")  # … and its id column, if it has one
@@ -491,25 +497,27 @@ def _is_utf8(text: str) -> bool:
 
 
 def detect_format(path: Location) -> str:
-    """Text or CSV by suffix; otherwise JSONL if the first line is an object, batch if it has batch keys."""
-    if storage.suffix(path) in TEXT_SUFFIXES:
+    """CSV or text by suffix; text too when the first line does not start with `{` (never for a
+    JSON-lines suffix: its bad lines are error rows). Otherwise the first object that is a request
+    tells batch (batch keys) from the simple form (`prompt` or `messages`)."""
+    suffix = storage.suffix(path)
+    if suffix in TEXT_SUFFIXES:
         return "text"
-    if storage.suffix(path) in CSV_DELIMITERS:
+    if suffix in CSV_DELIMITERS:
         return "csv"
     with storage.open_input(path) as f:
-        for raw in f:
-            text = raw.decode("utf-8", errors="replace").lstrip("\ufeff").strip()
-            if not text:
-                continue
-            if not text.startswith("{"):
+        lines = (text for raw in f if (text := raw.decode("utf-8", errors="replace").lstrip("\ufeff").strip()))
+        for number, text in enumerate(lines):
+            if number == 0 and not text.startswith("{") and suffix not in JSON_LINES_SUFFIXES:
                 return "text"
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError:
-                continue  # a bad line; let a later one decide, it will be reported anyway
-            if isinstance(obj, dict) and obj.keys() & {"custom_id", "body", "url", "method"}:
+                continue  # a bad line, reported as such; a later one decides
+            if isinstance(obj, dict) and obj.keys() & BATCH_KEYS:
                 return "batch"
-            return "jsonl"
+            if isinstance(obj, dict) and obj.keys() & SIMPLE_KEYS:
+                return "jsonl"
     return "jsonl"
 
 
@@ -577,6 +585,7 @@ def _batch_request(
     custom_id = _require(obj, "custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise LineError(f'"custom_id" must be a non-empty string, got {json.dumps(custom_id)}')
+    _check_string(custom_id, '"custom_id"')
     _check_unique(custom_id, number, first_seen)
     method = obj.get("method", "POST")
     if method != "POST":
@@ -597,6 +606,7 @@ def _simple_request(
     if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)) or raw_id == "":
         raise LineError(f'"id" must be a non-empty string or an integer, got {json.dumps(raw_id)}')
     custom_id = str(raw_id)
+    _check_string(custom_id, '"id"')
     _check_unique(custom_id, number, first_seen)
     has_prompt, has_messages = "prompt" in obj, "messages" in obj
     if has_prompt == has_messages:
@@ -606,6 +616,7 @@ def _simple_request(
         prompt = obj["prompt"]
         if not isinstance(prompt, str) or not prompt.strip():
             raise LineError(f'"prompt" must be a non-empty string, got {json.dumps(prompt)[:60]}')
+        _check_string(prompt, '"prompt"')
         return _document_request(number, custom_id, prompt, options)
     if options.completions:
         raise LineError('"messages" need the chat API; drop --completions')
@@ -680,6 +691,7 @@ def _check_body(url: str, body: dict[str, Any], prefix: str = "body.") -> None:
         if not is_ids and (not isinstance(prompt, str) or not prompt):
             raise LineError(f"{prefix}prompt must be a non-empty string, got {json.dumps(prompt)[:60]}")
     try:
+        check_text(body)  # a lone surrogate: no backend could send or tokenize it
         check_fields(body, url)  # types and ranges, as a server checks them
     except RequestError as exc:
         raise LineError(str(exc).replace("body.", prefix, 1)) from None
@@ -704,6 +716,14 @@ def _require(obj: dict[str, Any], name: str) -> Any:
     return obj[name]
 
 
+def _check_string(text: str, where: str) -> None:
+    """A value that is not text (a lone surrogate) could be neither sent nor written into a row."""
+    try:
+        check_string(text, where)
+    except RequestError as exc:
+        raise LineError(str(exc)) from None
+
+
 def _check_unique(custom_id: str, number: int, first_seen: SeenIds | None) -> None:
     if first_seen is not None and (first := first_seen.add(custom_id, number)) is not None:
         raise LineError(f"duplicate custom_id {json.dumps(custom_id)} (first seen on line {first})")
@@ -720,7 +740,9 @@ def _readable_id(raw: bytes, fmt: str) -> str | None:
     if not isinstance(obj, dict):
         return None
     value = obj.get("custom_id" if fmt == "batch" else "id")
-    return str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        return None
+    return None if isinstance(value, str) and printable(value) != value else str(value)  # not text: no id
 
 
 def _json_type(value: Any) -> str:

@@ -4,12 +4,11 @@ share (state.py)."""
 from __future__ import annotations
 
 import gc
-import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, File, Form, Query, Request, UploadFile
+from fastapi import FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, Field
@@ -17,9 +16,16 @@ from starlette.concurrency import run_in_threadpool
 
 from tokenmill.openai_compat import SUPPORTED_URLS
 from tokenmill.serve import openai_api
-from tokenmill.serve.batches import COMPLETION_WINDOWS, OUTPUT_EXPIRY_SECONDS, public
+from tokenmill.serve.batches import (
+    COMPLETION_WINDOWS,
+    MAX_METADATA_KEY_CHARS,
+    MAX_METADATA_KEYS,
+    MAX_METADATA_VALUE_CHARS,
+    OUTPUT_EXPIRY_SECONDS,
+    public,
+)
 from tokenmill.serve.errors import APIError, bad_request, error_responses, install_handlers
-from tokenmill.serve.limits import BodyLimit
+from tokenmill.serve.limits import ApiKeyCheck, BodyLimit
 from tokenmill.serve.state import ServeState
 
 OPEN_PATHS = ("/health",)  # the only route that needs no API key (load balancers probe it)
@@ -43,7 +49,10 @@ class BatchCreate(BaseModel):
     # The allowed values, for the description; BatchManager.create refuses the others by name.
     endpoint: str = Field(json_schema_extra={"enum": list(SUPPORTED_URLS)})
     completion_window: str = Field("24h", json_schema_extra={"enum": list(COMPLETION_WINDOWS)})
-    metadata: dict[str, str] | None = None
+    # The limits, for the description; BatchManager.create refuses the rest by name.
+    metadata: dict[str, str] | None = Field(None, json_schema_extra={
+        "maxProperties": MAX_METADATA_KEYS, "propertyNames": {"maxLength": MAX_METADATA_KEY_CHARS},
+        "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS}})
     output_expires_after: OutputExpiresAfter | None = None
 
 
@@ -60,12 +69,14 @@ def create_app(state: ServeState) -> FastAPI:
         finally:
             state.close()
 
-    # FastAPI's own docs routes would bypass the app's dependencies (the API key): ours are below.
-    app = FastAPI(title="tokenmill", lifespan=lifespan, dependencies=[Depends(_auth(state.api_key))],
-                  openapi_url=None, docs_url=None, redoc_url=None,
+    # FastAPI's own docs routes are replaced by ours below (`--no-docs` turns them off, and they know
+    # a proxy's path prefix).
+    app = FastAPI(title="tokenmill", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None,
                   responses=error_responses(500, *([401] if state.api_key else [])))
     install_handlers(app)
     app.add_middleware(BodyLimit, max_request_bytes=state.max_request_bytes, max_upload_bytes=state.max_upload_bytes)
+    if state.api_key is not None:  # added last, so it runs first: no key, no word about the body's size either
+        app.add_middleware(ApiKeyCheck, api_key=state.api_key, open_paths=OPEN_PATHS)
     app.include_router(openai_api.router(state), responses={**error_responses(400, 404, 413, 415),
                                                                          **EVENT_STREAM})
 
@@ -155,7 +166,8 @@ def _batch_routes(app: FastAPI, state: ServeState) -> None:
 
 
 def _doc_routes(app: FastAPI) -> None:
-    """/openapi.json, /docs and /redoc as ordinary routes, so that the API key covers them."""
+    """/openapi.json, /docs and /redoc as ordinary routes: `--no-docs` leaves them out, and /docs and
+    /redoc find the description behind a proxy's path prefix. The API key covers them as any route."""
 
     @app.get(OPENAPI_PATH, include_in_schema=False)
     async def openapi() -> JSONResponse:
@@ -202,14 +214,3 @@ def _as_served(schema: dict[str, Any], auth: bool) -> dict[str, Any]:
                 operation["security"] = []
     return schema
 
-
-def _auth(api_key: str | None) -> Any:
-    async def check(request: Request) -> None:
-        if api_key is None or request.url.path in OPEN_PATHS:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'",
-                           type="invalid_request_error", code="invalid_api_key")
-
-    return check

@@ -8,10 +8,12 @@ any other job backend. Bodies become prompts and response bodies through openai_
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import random
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,8 @@ from tokenmill.openai_compat import (
     token_decoder,
 )
 from tokenmill.serve.engine_loop import EngineLoop
+
+log = logging.getLogger(__name__)
 
 LIVE_PRIORITY, BATCH_PRIORITY = 0, 1  # under the "priority" policy live traffic goes first
 # Threads that tokenize live requests (and render their chat templates). Tokenizing a long prompt
@@ -85,16 +89,17 @@ class ServingBackend:
 
     def check(self, request: BatchRequest, parsed: OpenAIRequest | None = None) -> None:
         """A Batch API line (`request.parsed`: its fields were checked as it was read), or a live
-        request's body as `prepare` parsed it."""
-        if self.endpoint and request.url != self.endpoint:
-            raise RequestError(f"url {request.url!r} differs from the batch's endpoint {self.endpoint!r}")
-        model = request.body.get("model")
-        if model is not None and model != self.model:
-            raise RequestError(f"body.model {model!r} is not served here (this server serves {self.model!r})",
-                               "model")
-        parsed = request.parsed if parsed is None else parsed
-        self._hold_to_max_tokens_limit(request.body, parsed)
-        check_structured_outputs(parsed, self.llm)  # a Batch API line's bad schema: refused up front
+        request's body as `prepare` parsed it. Raises RequestError, whatever goes wrong."""
+        with _refused_alone(request):
+            if self.endpoint and request.url != self.endpoint:
+                raise RequestError(f"url {request.url!r} differs from the batch's endpoint {self.endpoint!r}")
+            parsed = request.parsed if parsed is None else parsed  # first: broken text is named as such
+            model = request.body.get("model")
+            if model is not None and model != self.model:
+                raise RequestError(f"body.model {model!r} is not served here (this server serves {self.model!r})",
+                                   "model")
+            self._hold_to_max_tokens_limit(request.body, parsed)
+            check_structured_outputs(parsed, self.llm)  # a Batch API line's bad schema: refused up front
 
     def _hold_to_max_tokens_limit(self, body: dict[str, Any], parsed: OpenAIRequest) -> None:
         """A request asking for more tokens than the operator's limit is refused, naming it: clamping
@@ -116,12 +121,13 @@ class ServingBackend:
         (A text prompt far too long for the context is refused by its length, before tokenizing: the
         engine checks it in `chat_token_ids` and `process_request`.) `parsed`: a Batch API line's
         body as its reading parsed it; a live body is parsed here, every field checked, once."""
-        parsed = parsed or parse_request(request.url, request.body)
-        self.check(request, parsed)
-        prompt, params = engine_inputs(parsed, self.llm)
-        if params.seed is None:  # drawn here: the engine's own seed generator belongs to its thread
-            params.seed = random.getrandbits(62)
-        return Prepared(request, self.llm.engine.process_request(prompt, params, request.custom_id, priority))
+        with _refused_alone(request):
+            parsed = parsed or parse_request(request.url, request.body)
+            self.check(request, parsed)
+            prompt, params = engine_inputs(parsed, self.llm)
+            if params.seed is None:  # drawn here: the engine's own seed generator belongs to its thread
+                params.seed = random.getrandbits(62)
+            return Prepared(request, self.llm.engine.process_request(prompt, params, request.custom_id, priority))
 
     async def prepare_off_loop(self, request: BatchRequest) -> Prepared:
         """`prepare` for a live request, on a tokenizer thread of its lane (see TOKENIZER_THREADS)."""
@@ -192,6 +198,20 @@ class ServingBackend:
 
     def _request_id(self, request: BatchRequest) -> str:
         return f"{self.batch_id}:{request.custom_id}"
+
+
+@contextmanager
+def _refused_alone(request: BatchRequest) -> Iterator[None]:
+    """Whatever checking or tokenizing one request raises is that request's refusal (a RequestError:
+    a 400 live, its error row in a batch), never a 500 or the whole batch failed: a body no check
+    foresaw is still only that body's problem. Logged with its traceback, since no check caught it."""
+    try:
+        yield
+    except ValueError:  # a RequestError, or the engine's refusal (too long for the context, ...)
+        raise
+    except Exception as exc:
+        log.exception("request %r: unexpected error while checking or tokenizing it", request.custom_id)
+        raise RequestError(f"this request could not be checked or tokenized: {type(exc).__name__}: {exc}") from exc
 
 
 class RequestStream:

@@ -33,9 +33,19 @@ from tokenmill.jobs.config import JobConfig
 from tokenmill.jobs.output import JobError, JsonlAppender, error_row, usage_of, write_json_atomic
 from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.spec import DocumentOptions, InputFile, LineError, json_object_line, read_input
-from tokenmill.openai_compat import BATCH_ID_PREFIX, FILE_ID_PREFIX, SUPPORTED_URLS, id_format, is_own_id, new_id
+from tokenmill.openai_compat import (
+    BATCH_ID_PREFIX,
+    FILE_ID_PREFIX,
+    SUPPORTED_URLS,
+    RequestError,
+    check_text,
+    id_format,
+    is_own_id,
+    json_path,
+    new_id,
+)
 from tokenmill.serve.backend import ServingBackend
-from tokenmill.serve.errors import APIError, bad_request
+from tokenmill.serve.errors import APIError, bad_request, from_value_error
 from tokenmill.serve.limits import too_large
 
 log = logging.getLogger(__name__)
@@ -47,6 +57,9 @@ DEADLINE_POLL_S = 0.25  # how soon a running batch notices that its window has c
 EXPIRED_CODE = "batch_expired"
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."  # OpenAI's words
 MAX_LISTED_LINE_ERRORS = 20  # a failed batch's `errors` names at most this many bad lines
+# OpenAI's limits on a batch's `metadata`: it is stored, rewritten at every status change and
+# listed, so a client must not make it large.
+MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
 Clock = Callable[[], float]  # Unix time in seconds
 
@@ -220,6 +233,7 @@ class BatchManager:
         if completion_window not in COMPLETION_WINDOWS:
             raise bad_request(f"completion_window must be one of {list(COMPLETION_WINDOWS)}, got {completion_window!r}",
                               param="completion_window")
+        _check_metadata(metadata)
         _check_output_expiry(output_expires_after)
         # The id is stored as given, so it must be exactly one the server made (`files.get` takes no
         # other): not a file id at all is a 400, in OpenAI's words; one that could be, an unknown one (404).
@@ -418,6 +432,28 @@ class BatchManager:
 
 # Batches written before these fields existed read as if created with them unset.
 BATCH_FIELDS_ADDED_LATER: dict[str, Any] = {"model": None, "usage": None, "output_expires_after": None}
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's limits on `metadata` (MAX_METADATA_*; its types are the route's to check), and text
+    that is text: it is sent back on every read of the batch, and a lone surrogate would make each
+    of those a 500."""
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise bad_request(f"metadata: at most {MAX_METADATA_KEYS} keys, got {len(metadata)}", param="metadata")
+    try:
+        check_text({"metadata": metadata})
+    except RequestError as exc:
+        raise from_value_error(exc) from None
+    for key, value in metadata.items():
+        where = json_path((key,), root="metadata")
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise bad_request(f"{where}: a key of {len(key)} characters; at most {MAX_METADATA_KEY_CHARS}",
+                              param="metadata")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise bad_request(f"{where}: a value of {len(value)} characters; at most {MAX_METADATA_VALUE_CHARS}",
+                              param="metadata")
 
 
 def _check_output_expiry(policy: dict[str, Any] | None) -> None:

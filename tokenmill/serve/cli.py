@@ -56,18 +56,19 @@ def run(args: argparse.Namespace) -> int:
 
     from tokenmill.engines import load_engine
     from tokenmill.serve.app import create_app
-    from tokenmill.serve.state import ServeState
+    from tokenmill.serve.state import ServeState, hold_state_dir
 
-    llm = load_engine(engine_spec(args))
-    state = ServeState(
-        llm, model_name=args.served_model_name or model_name(args.model),
-        state_dir=args.state_dir.expanduser(), api_key=server_api_key(args.api_key),
-        max_request_bytes=args.max_request_bytes, max_upload_bytes=args.max_upload_bytes, docs=args.docs,
-        max_tokens_limit=args.max_tokens_limit,
-    )
-    print(f"tokenmill serve: {state.model_name} on http://{args.host}:{args.port}/v1", flush=True)
-    try:
-        uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
-    finally:
-        llm.engine.close()  # vLLM's engine process goes with the server, not at interpreter exit
+    state_dir = args.state_dir.expanduser()
+    with hold_state_dir(state_dir):
+        llm = load_engine(engine_spec(args))
+        state = ServeState(
+            llm, model_name=args.served_model_name or model_name(args.model), state_dir=state_dir,
+            api_key=server_api_key(args.api_key), max_request_bytes=args.max_request_bytes,
+            max_upload_bytes=args.max_upload_bytes, docs=args.docs, max_tokens_limit=args.max_tokens_limit,
+        )
+        print(f"tokenmill serve: {state.model_name} on http://{args.host}:{args.port}/v1", flush=True)
+        try:
+            uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
+        finally:
+            llm.engine.close()  # vLLM's engine process goes with the server, not at interpreter exit
     return 0

@@ -104,7 +104,12 @@ class EngineLoop:
         if request.request_id in self._tracked:  # a client reusing an id must not hijack another's stream
             on_output(ValueError(f"request id {request.request_id!r} is already in use"))
             return
-        self.engine.add_processed(request)
+        try:
+            self.engine.add_processed(request)
+        except Exception as exc:  # that request fails (a 500, a batch line's server_error), not this thread
+            log.exception("engine failed to add request %r", request.request_id)
+            on_output(exc)
+            return
         self._tracked[request.request_id] = _Tracked(on_output)
 
     def _abort(self, request_id: str) -> None:

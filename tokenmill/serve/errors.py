@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from tokenmill.openai_compat import RequestError
+from tokenmill.openai_compat import RequestError, check_text, printable
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,7 @@ class APIError(Exception):
         self, status: int, message: str, *, type: str = "invalid_request_error",
         param: str | None = None, code: str | None = None,
     ) -> None:
+        message = printable(message)  # a message quoting a lone surrogate could not be sent: a 500
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -84,6 +85,11 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if isinstance(exc.body, dict):  # broken text, wherever it is, in its own words rather than pydantic's
+            try:
+                check_text(exc.body)
+            except RequestError as broken:
+                return from_value_error(broken).response()
         errors = list(exc.errors())
         first = _most_telling(errors) if errors else {}
         if first.get("type") == "json_invalid":

@@ -1,5 +1,6 @@
-"""How large a request body may be: a pure ASGI middleware that answers 413 before the app reads a
-body over the limit, and the limits' defaults (cli.py and ServeState share them).
+"""What a request must pass before its body is read, as pure ASGI middleware: the API key (401),
+then how large the body may be (413, before the app reads past the limit); and the limits'
+defaults (cli.py and ServeState share them).
 
 Import-light on purpose: cli.py reads the defaults when `tokenmill --help` builds its parser, and
 that must not load FastAPI (tokenmill/serve/__init__.py), so errors.py is imported where a 413 is made.
@@ -7,6 +8,7 @@ that must not load FastAPI (tokenmill/serve/__init__.py), so errors.py is import
 
 from __future__ import annotations
 
+import secrets
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -33,6 +35,30 @@ def too_large(what: str, limit: int, flag: str) -> APIError:
 
     return APIError(413, f"{what} is larger than {limit} bytes, this server's limit ({flag})",
                     code="request_too_large")
+
+
+class ApiKeyCheck:
+    """Refuses a request without `Authorization: Bearer <api_key>` with a 401 from its headers alone,
+    before a byte of its body is read: a FastAPI dependency runs only once FastAPI has read the body,
+    which for an upload means spooling all of it to disk. `open_paths` need no key."""
+
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...]) -> None:
+        self.app, self._key, self._open_paths = app, api_key.encode(), open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self._open_paths or self._has_key(scope):
+            await self.app(scope, receive, send)
+            return
+        from tokenmill.serve.errors import APIError  # here, not at the top: see the module docstring
+
+        error = APIError(401, "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'",
+                         type="invalid_request_error", code="invalid_api_key")
+        await _reject(error, scope, receive, send)
+
+    def _has_key(self, scope: Scope) -> bool:
+        header = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self._key)
 
 
 class BodyLimit:
@@ -106,7 +132,7 @@ class _LimitedExchange:
 
 async def _reject(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
     # No `Connection: close`: closing with the body unread can reset the connection before the
-    # client reads the 413; the server drops the rest of the body as it arrives, never holding it.
+    # client reads the 401 or 413; the server drops the rest of the body as it arrives, never holding it.
     await error.response()(scope, receive, send)
 
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.types import Receive, Scope, Send
 
 from tokenmill.engine import RequestOutput
@@ -23,6 +23,8 @@ from tokenmill.openai_compat import (
     MAX_STOP_SEQUENCES,
     MAX_TEMPERATURE,
     SEED_RANGE,
+    RequestError,
+    check_text,
     new_response_id,
     usage,
 )
@@ -93,7 +95,8 @@ class _Body(BaseModel):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # StrictInt: `true` is no token id (as in a batch line), not token 1
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
 
 
 class ChatMessage(BaseModel):
@@ -115,17 +118,29 @@ def router(state: ServeState) -> APIRouter:
 
     @api.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request) -> Any:
-        data = body.model_dump(exclude_none=True, by_alias=True, exclude=IGNORED_FIELDS)
+        data = _engine_fields(body)
         data["prompt"] = _one_prompt(body.prompt)
         return await _serve(state, request, body, BatchRequest(0, new_response_id(COMPLETIONS_URL),
                                                                 COMPLETIONS_URL, data))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request) -> Any:
-        data = body.model_dump(exclude_none=True, by_alias=True, exclude=IGNORED_FIELDS)
-        return await _serve(state, request, body, BatchRequest(0, new_response_id(CHAT_URL), CHAT_URL, data))
+        return await _serve(state, request, body, BatchRequest(0, new_response_id(CHAT_URL), CHAT_URL,
+                                                                _engine_fields(body)))
 
     return api
+
+
+def _engine_fields(body: _Body) -> dict[str, Any]:
+    """The body as the backend reads it, less the fields handled here or ignored. Every field's text
+    is checked first, the ignored ones' too, and before anything (the 404 for an unknown model)
+    quotes a value back: a lone surrogate anywhere is a 400 naming where, as in a batch line."""
+    data = body.model_dump(exclude_none=True, by_alias=True)
+    try:
+        check_text(data)
+    except RequestError as exc:
+        raise from_value_error(exc) from None
+    return {name: value for name, value in data.items() if name not in IGNORED_FIELDS}
 
 
 def _one_prompt(prompt: Any) -> Any:

@@ -10,12 +10,21 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.engine import InProcessModel
+from tokenmill.jobs.guard import OutputLock
 from tokenmill.serve.backend import ServingBackend
 from tokenmill.serve.batches import BatchManager, FileStore
 from tokenmill.serve.engine_loop import EngineLoop
 from tokenmill.serve.errors import APIError
 from tokenmill.serve.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_UPLOAD_BYTES
 from tokenmill.serve.metrics import ServeMetrics
+
+LOCK_NAME = "serve.lock"  # in the state dir, held by the server that owns it
+
+
+def hold_state_dir(state_dir: Path) -> OutputLock:
+    """One server per state dir, held from before the model loads until it stops: two would each
+    run the other's batches and rewrite each other's records."""
+    return OutputLock(state_dir / LOCK_NAME, state_dir, advice="choose another --state-dir")
 
 
 @dataclass

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from tokenmill.jobs.batch_parts import OPENAI_MAX_BYTES, OPENAI_MAX_REQUESTS, OpenPart, PartSplitter, check_limits
+from tokenmill.jobs.guard import Footprint, OutputLock, refuse_inputs_in
 from tokenmill.jobs.spec import DocumentOptions, read_input
 from tokenmill.openai_compat import new_id
 
@@ -45,6 +46,21 @@ def split_input(
     """Cut the input into Batch API files in `out_dir`; `on_part` hears of each as it is written.
     ValueError for a limit that is not positive, or an `out_dir` that holds parts already."""
     check_limits(max_requests, max_bytes, "--max-requests", "--max-bytes")
+    refuse_inputs_in(_footprint(out_dir), {"the input": input_path})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with OutputLock(out_dir, out_dir):  # the folder itself: nothing but parts may lie in it
+        return _split(input_path, out_dir, options, input_format, max_requests, max_bytes, overwrite, on_part)
+
+
+def _footprint(out_dir: Path) -> Footprint:
+    """The files a split writes, or replaces with --overwrite: any part, not only those it will write."""
+    return Footprint((*out_dir.glob("part-*.jsonl"), *out_dir.glob(OPEN_PREFIX + "*"), out_dir / ERRORS_NAME))
+
+
+def _split(
+    input_path: Path, out_dir: Path, options: DocumentOptions, input_format: str, max_requests: int, max_bytes: int,
+    overwrite: bool, on_part: Callable[[WrittenPart], None] | None,
+) -> SplitOutcome:
     spec = read_input(input_path, options, input_format)  # every line checked first, as `run` checks it
     _claim(out_dir, overwrite)
     outcome = SplitOutcome()
