@@ -37,10 +37,8 @@ import asyncio
 import json
 import math
 import random
-import shutil
 import signal
 import sys
-import tempfile
 import time
 import traceback
 from collections import Counter
@@ -51,7 +49,7 @@ from pathlib import Path
 import httpx
 import openai
 from openai.types import Batch
-from stress import MODEL, CheckFailed, Children, Server, duplicates, metrics, tail
+from stress import MODEL, CheckFailed, Server, duplicates, metrics, tail, workspace
 
 try:
     import psutil
@@ -603,21 +601,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--minutes must be at least 1: the first model load alone takes ~20 s")
     # SIGTERM to this script becomes an exception, so the finally block kills the server.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    children, tmp = Children(), Path(tempfile.mkdtemp(prefix="tokenmill-soak-"))
-    server = Server(children, tmp, "--num-kv-blocks", str(KV_BLOCKS))
-    try:
-        lines, passed = asyncio.run(run_soak(server, args.minutes, args.drain_timeout, args.seed))
-    except CheckFailed as exc:
-        lines, passed = [f"FAIL: {exc}"], False
-    except Exception as exc:  # a bug here or a server that misbehaves in a new way: a FAIL with the reason
-        traceback.print_exc()
-        lines, passed = [f"FAIL: crashed: {type(exc).__name__}: {exc}\n{tail(server.log)}"], False
-    finally:
-        children.kill_all()
-        if args.keep_tmp:
-            print(f"kept {tmp}", file=sys.stderr)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+    with workspace("tokenmill-soak-", args.keep_tmp) as (children, tmp):
+        server = Server(children, tmp, "--num-kv-blocks", str(KV_BLOCKS))
+        try:
+            lines, passed = asyncio.run(run_soak(server, args.minutes, args.drain_timeout, args.seed))
+        except CheckFailed as exc:
+            lines, passed = [f"FAIL: {exc}"], False
+        except Exception as exc:  # a bug here or a server that misbehaves in a new way: a FAIL with the reason
+            traceback.print_exc()
+            lines, passed = [f"FAIL: crashed: {type(exc).__name__}: {exc}\n{tail(server.log)}"], False
     print("\n".join(lines), flush=True)
     return 0 if passed else 1
 

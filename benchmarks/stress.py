@@ -112,6 +112,21 @@ class Children:
         self.procs.clear()
 
 
+
+@contextlib.contextmanager
+def workspace(prefix: str, keep: bool) -> Iterator[tuple[Children, Path]]:
+    """The run's children and temp dir: the children killed when it ends, however it ends, and the
+    dir removed (or kept, and named, with --keep-tmp)."""
+    children, tmp = Children(), Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield children, tmp
+    finally:
+        children.kill_all()
+        if keep:
+            print(f"kept {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
 def child_env() -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", NO_PROXY="127.0.0.1,localhost")
     # A key in the environment would make the server demand it (and the job send it): keep the
@@ -826,11 +841,9 @@ def main() -> int:
     # SIGTERM to this script becomes an exception, so the finally blocks kill the children.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    children = Children()
-    tmp = Path(tempfile.mkdtemp(prefix="tokenmill-stress-"))
-    ctx = Context(quick=args.quick, tmp=tmp, children=children)
     results = []
-    try:
+    with workspace("tokenmill-stress-", args.keep_tmp) as (children, tmp):
+        ctx = Context(quick=args.quick, tmp=tmp, children=children)
         for name in args.only or list(CHECKS):
             print(f"  running {name} ...", file=sys.stderr, flush=True)
             result = run_check(name, ctx)
@@ -839,12 +852,6 @@ def main() -> int:
                   f"[{result.seconds:.0f} s]", flush=True)
             if result.note:
                 print(f"      {result.note}", flush=True)
-    finally:
-        children.kill_all()
-        if args.keep_tmp:
-            print(f"kept {tmp}", file=sys.stderr)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
     failed = [r.name for r in results if not r.passed]
     print(f"{len(results) - len(failed)}/{len(results)} passed" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
