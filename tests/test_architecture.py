@@ -19,17 +19,17 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tokenmill"
 
 # Each part of tokenmill/ and the parts it may import (besides itself). Arrows only point down:
 # cascade → choose; serve, choose, split → jobs → openai_compat, engines, bench → engine, vllm_engine → models,
-# plan → cost, environment, gguf_header.
+# plan → cost, environment, formats.
 LAYERS: dict[str, set[str]] = {
     "cost": set(),
     "environment": set(),
-    "gguf_header": set(),
-    "plan": {"cost", "environment", "gguf_header"},
-    "models": {"environment", "gguf_header"},
+    "formats": set(),  # model files read without torch: GGUF and safetensors headers, GGUF → config
+    "plan": {"cost", "environment", "formats"},
+    "models": {"environment", "formats"},
     "engine": {"models", "plan", "cost", "environment"},  # plan: hardware names as prices
     "vllm_engine": {"engine", "models", "environment"},  # vLLM behind the engine's interface
     "engines": {"engine", "vllm_engine", "models"},  # which in-process engine: the one loader of a spec
-    "bench": {"engines", "engine", "vllm_engine", "models", "plan", "cost", "environment"},
+    "bench": {"engines", "engine", "vllm_engine", "models", "plan", "cost", "environment", "openai_compat"},
     "openai_compat": {"engine"},
     "jobs": {"openai_compat", "engines", "engine", "vllm_engine", "models", "plan", "cost", "environment"},
     "serve": {"jobs", "openai_compat", "engines", "engine", "vllm_engine", "environment"},
@@ -145,6 +145,37 @@ def test_no_private_name_is_imported_from_another_module() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+# jobs/ inside: each layer imports only those before it (docs/layout.md).
+JOBS_LAYERS = ["base", "input", "journal", "backends", "job"]
+JOBS_BASE = {"tokenmill.jobs.storage", "tokenmill.jobs.errors"}
+# What other packages may import from jobs/: these fronts, never the modules behind them.
+JOBS_SURFACE = {"tokenmill.jobs", "tokenmill.jobs.input", "tokenmill.jobs.journal", "tokenmill.jobs.backends",
+                "tokenmill.jobs.results", "tokenmill.jobs.flags", "tokenmill.jobs.storage"}
+
+
+def jobs_layer(module: str) -> str:
+    """tokenmill.jobs.journal.index → journal; tokenmill.jobs.runner → job; storage, errors → base."""
+    if module in JOBS_BASE:
+        return "base"
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 or parts[2:3] in (["input"], ["journal"], ["backends"]) else "job"
+
+
+def test_inside_jobs_imports_only_point_down() -> None:
+    inside = [m for m in MODULES if part_of(m) == "jobs" and m != "tokenmill.jobs"]
+    wrong = [f"{m} ({jobs_layer(m)}) imports {t} ({jobs_layer(t)})" for m in inside for t, _, _ in targets(m)
+             if part_of(t) == "jobs" and t != "tokenmill.jobs"
+             and JOBS_LAYERS.index(jobs_layer(t)) > JOBS_LAYERS.index(jobs_layer(m))]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_outside_jobs_only_its_fronts_are_used() -> None:
+    outside = [m for m in MODULES if part_of(m) not in ("jobs", "__init__")]
+    wrong = [f"{m}:{line} imports {t}" for m in outside for t, _, line in targets(m)
+             if part_of(t) == "jobs" and t not in JOBS_SURFACE]
+    assert not wrong, "\n".join(wrong)
+
+
 def plant(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str, source: str) -> None:
     path = tmp_path / f"{name.rpartition('.')[2]}.py"
     path.write_text(source)
@@ -160,6 +191,15 @@ def test_the_checks_catch_a_planted_upward_import_and_cycle(monkeypatch: pytest.
         test_imports_only_point_down()
     with pytest.raises(AssertionError, match="planted_a → tokenmill.engine.planted_b → tokenmill.engine.planted_a"):
         test_no_import_cycles()
+
+
+def test_the_jobs_checks_catch_planted_imports(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    plant(monkeypatch, tmp_path, "tokenmill.jobs.input.planted", "from tokenmill.jobs.journal.rows import error_row\n")
+    plant(monkeypatch, tmp_path, "tokenmill.serve.planted_c", "from tokenmill.jobs.journal.index import read_index\n")
+    with pytest.raises(AssertionError, match=r"input.planted \(input\) imports \S+journal.rows \(journal\)"):
+        test_inside_jobs_imports_only_point_down()
+    with pytest.raises(AssertionError, match="tokenmill.serve.planted_c:1 imports tokenmill.jobs.journal.index"):
+        test_outside_jobs_only_its_fronts_are_used()
 
 
 # ---- command modules and cold start ----------------------------------------------------------------

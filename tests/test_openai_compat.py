@@ -7,8 +7,14 @@ from typing import Any
 
 import pytest
 
-from tokenmill.engine import DEFAULT_MAX_TOKENS, RequestOutput, StructuredOutputsParams, TokenLogprob
-from tokenmill.engine.sequence import RequestTimings
+from tokenmill.engine import (
+    DEFAULT_MAX_TOKENS,
+    EngineCapabilities,
+    RequestOutput,
+    RequestTimings,
+    StructuredOutputsParams,
+    TokenLogprob,
+)
 from tokenmill.openai_compat import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -73,8 +79,8 @@ def test_body_fields_become_sampling_params() -> None:
     ({"top_k": -2}, "top_k", "body.top_k must be >= -1"),
     ({"seed": 2**80}, "seed", "body.seed must be in"),
     ({"ignore_eos": "yes"}, "ignore_eos", 'body.ignore_eos must be true or false, got "yes"'),
-    ({"stop": ["x"] * 17}, "stop", "at most 16 non-empty strings"),
-    ({"stop": [""]}, "stop", "at most 16 non-empty strings"),
+    ({"stop": ["x"] * 17}, "stop", "body.stop: at most 16 items, got 17"),
+    ({"stop": [""]}, "stop", 'body.stop[0] must be a non-empty string, got ""'),
     ({"stop_token_ids": ["1"]}, "stop_token_ids", "must be a list of token ids"),
     ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs", "must be an object"),
 ])
@@ -165,28 +171,32 @@ def test_a_body_whose_fields_were_checked_is_not_checked_again() -> None:
     assert parsed.structured_outputs_field == "guided_regex"
 
 
-def test_only_an_engine_that_checks_before_tokenizing_is_asked_to() -> None:
+def test_a_prompt_is_sized_by_every_engine_and_a_structured_output_compiled_where_declared() -> None:
     asked: list[Any] = []
 
-    class Checks:
+    def does_not_compile(structured_outputs: StructuredOutputsParams) -> None:
+        raise ValueError("structured_outputs.regex does not compile")
+
+    class Engine:
+        def __init__(self, capabilities: EngineCapabilities) -> None:
+            self.capabilities = capabilities
+
         def check_prompt_chars(self, num_chars: int) -> None:
             asked.append(num_chars)
 
-        def check_structured_outputs(self, structured_outputs: StructuredOutputsParams) -> None:
-            raise ValueError("structured_outputs.regex does not compile")
-
     class Model:
-        def __init__(self, engine: object) -> None:
+        def __init__(self, engine: Engine) -> None:
             self.engine = engine
 
     parsed = parse_request(CHAT_URL, {**CHAT, "guided_regex": "("})
-    for model in (Model(object()), Model(Checks())):  # vLLM's engine does both when a request is added
+    vllm_like, embedded_like = Model(Engine(EngineCapabilities())), Model(Engine(EngineCapabilities(does_not_compile)))
+    for model in (vllm_like, embedded_like):
         check_prompt_size(parsed, model)  # type: ignore[arg-type]
         check_prompt_size(parse_request(COMPLETIONS_URL, {"prompt": "abc"}), model)  # type: ignore[arg-type]
-    assert asked == [2, 3]
-    check_structured_outputs(parsed, Model(object()))  # type: ignore[arg-type]
+    assert asked == [2, 3, 2, 3]
+    check_structured_outputs(parsed, vllm_like)  # type: ignore[arg-type]  # vLLM compiles it when submitted
     with pytest.raises(RequestError, match=r"^body.guided_regex does not compile") as exc:
-        check_structured_outputs(parsed, Model(Checks()))  # type: ignore[arg-type]
+        check_structured_outputs(parsed, embedded_like)  # type: ignore[arg-type]
     assert exc.value.param == "guided_regex"
 
 

@@ -13,14 +13,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tokenmill.engine import LLM, EngineConfig, LLMEngine, RequestOutput, SamplingParams, StructuredOutputsParams
-    from tokenmill.jobs.backend_specs import build_backend
-    from tokenmill.jobs.batch_api import BatchApiSpec
+    from tokenmill.jobs.backends.batch_api import BatchApiSpec
+    from tokenmill.jobs.backends.build import build_backend
+    from tokenmill.jobs.backends.endpoint import EndpointSpec
+    from tokenmill.jobs.backends.http import RetryPolicy
+    from tokenmill.jobs.backends.rate_limit import RateLimit
+    from tokenmill.jobs.backends.ray import RayOptions, RaySpec
     from tokenmill.jobs.config import JobConfig
-    from tokenmill.jobs.endpoint import EndpointSpec, RetryPolicy
-    from tokenmill.jobs.rate_limit import RateLimit
-    from tokenmill.jobs.ray_runner import RayOptions, RaySpec
+    from tokenmill.jobs.input.request import DocumentOptions
     from tokenmill.jobs.runner import run_job
-    from tokenmill.jobs.spec import DocumentOptions
     from tokenmill.jobs.summary import JobOutcome
     from tokenmill.vllm_engine.config import VllmConfig
 
@@ -30,15 +31,15 @@ _EXPORTS = {
     **dict.fromkeys(["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
                      "StructuredOutputsParams"], "tokenmill.engine"),
     "VllmConfig": "tokenmill.vllm_engine.config",
-    "EndpointSpec": "tokenmill.jobs.endpoint",
-    "BatchApiSpec": "tokenmill.jobs.batch_api",
-    "RaySpec": "tokenmill.jobs.ray_runner",
-    "build_backend": "tokenmill.jobs.backend_specs",
-    "RetryPolicy": "tokenmill.jobs.endpoint",
-    "RateLimit": "tokenmill.jobs.rate_limit",
-    "RayOptions": "tokenmill.jobs.ray_runner",
+    "EndpointSpec": "tokenmill.jobs.backends.endpoint",
+    "BatchApiSpec": "tokenmill.jobs.backends.batch_api",
+    "RaySpec": "tokenmill.jobs.backends.ray",
+    "build_backend": "tokenmill.jobs.backends.build",
+    "RetryPolicy": "tokenmill.jobs.backends.http",
+    "RateLimit": "tokenmill.jobs.backends.rate_limit",
+    "RayOptions": "tokenmill.jobs.backends.ray",
     "JobConfig": "tokenmill.jobs.config",
-    "DocumentOptions": "tokenmill.jobs.spec",
+    "DocumentOptions": "tokenmill.jobs.input.request",
     "run_job": "tokenmill.jobs.runner",
     "JobOutcome": "tokenmill.jobs.summary",
 }

@@ -7,8 +7,9 @@ becomes the response body with its `usage`. Batch jobs, the server and its Batch
 through here, so one body gets the same answer, and the same refusal naming the same field, on
 every path.
 
-To support a new body field: check it in `check_fields`, read it in `sampling_params` (or refuse it
-in `UNSUPPORTED_FIELDS`).
+To support a new body field: give it an entry in `SAMPLING_FIELDS` (its schema and check, which the
+server's OpenAPI document and every batch line share) and read it in `sampling_params`; or refuse it
+in `UNSUPPORTED_FIELDS`.
 
 Log-probabilities are asked for in each endpoint's own words (chat: `logprobs: true` with
 `top_logprobs: N`; completions: `logprobs: N`), become `SamplingParams.logprobs`, and come back in
@@ -39,7 +40,6 @@ from tokenmill.engine import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
     MAX_LOGPROBS,
-    ChecksBeforeTokenizing,
     SamplingParams,
     StructuredOutputsParams,
 )
@@ -63,9 +63,9 @@ class RequestError(ValueError):
     """A body the engine cannot serve as asked. The message names the field as `body.<field>`;
     `param` is that field (OpenAI's error `param`), or None when no one field is at fault."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(printable(message))
-        self.param = param
+        self.param, self.code = param, code  # code: OpenAI's error code, where it has one
 
 
 def printable(text: str) -> str:
@@ -125,10 +125,25 @@ class OpenAIRequest:
     structured_outputs_field: str | None  # the body field that structured output came from (for messages)
 
 
+@dataclass(frozen=True)
+class LiveRequest:
+    """A request sent to the server and answered on its connection (a batch line is a job's
+    BatchRequest, which also knows its line)."""
+
+    custom_id: str  # the response's id: what keys it in the engine, as a batch line's custom_id does
+    url: str  # CHAT_URL or COMPLETIONS_URL
+    body: dict[str, Any]
+
+    @functools.cached_property
+    def parsed(self) -> OpenAIRequest:
+        """The body read and every field checked, once (RequestError)."""
+        return parse_request(self.url, self.body)
+
+
 def parse_request(url: str, body: dict[str, Any], *, fields_checked: bool = False) -> OpenAIRequest:
     """Everything about a body that can be checked without the engine, checked once (a prompt too
     long for the context is the engine's to refuse). `fields_checked`: `check_fields` has already
-    passed on this body (jobs/spec.py runs it on every line), so it is not run again. Raises
+    passed on this body (jobs/input/reader.py runs it on every line), so it is not run again. Raises
     RequestError."""
     check_text(body)
     for name in UNSUPPORTED_FIELDS:
@@ -220,42 +235,35 @@ def template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
     return kwargs
 
 
-def check_fields(body: dict[str, Any], url: str = CHAT_URL) -> None:
-    """The type and range of every sampling field present: a string "5", `true` or Infinity is
-    refused naming the field, never coerced. `url`: the endpoint, whose words `logprobs` is read
-    in. Raises RequestError."""
-    for name in ("max_tokens", "max_completion_tokens", "n"):
-        _integer(body, name, 1)
-    _integer(body, "min_tokens", 0)
-    _integer(body, "top_k", -1)  # vLLM spells "off" -1
-    _integer(body, "seed", *SEED_RANGE)
-    _number(body, "temperature", 0.0, MAX_TEMPERATURE)
-    _number(body, "top_p", 0.0, 1.0, low_open=True)
-    if not isinstance(body.get("ignore_eos", False), bool):
-        raise RequestError(f"body.ignore_eos must be true or false, got {_show(body['ignore_eos'])}", "ignore_eos")
-    _check_stop(body.get("stop"))
-    ids = body.get("stop_token_ids")
-    if ids is not None and not (isinstance(ids, list) and all(_is_int(t) and t >= 0 for t in ids)):
-        raise RequestError(f"body.stop_token_ids must be a list of token ids (integers >= 0), got {_show(ids)}",
-                           "stop_token_ids")
-    _check_logprobs(body, url)
+@dataclass(frozen=True)
+class BodyField:
+    """A sampling field of a body, written once: its JSON schema (what the server's OpenAPI
+    document shows) and its check (what every batch line and live request is held to, with the
+    same message), on the endpoints that take it."""
+
+    name: str
+    schema: dict[str, Any]
+    check: Callable[[dict[str, Any]], None]
+    urls: tuple[str, ...] = SUPPORTED_URLS
 
 
-def _check_logprobs(body: dict[str, Any], url: str) -> None:
-    """OpenAI's rules: chat asks with `logprobs: true` and `top_logprobs: 0..20` (only beside it);
-    completions with `logprobs: 0..5`, and has no top_logprobs."""
-    if url != CHAT_URL:
-        _integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
-        if body.get("top_logprobs") is not None:
-            raise RequestError("body.top_logprobs is a chat field: a /v1/completions body asks for N alternatives "
-                               "with body.logprobs: N", "top_logprobs")
-        return
-    if not isinstance(body.get("logprobs", False), (bool, type(None))):
-        raise RequestError(f"body.logprobs must be true or false, got {_show(body['logprobs'])} (the number of "
-                           "alternatives is body.top_logprobs)", "logprobs")
-    _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
-    if body.get("top_logprobs") is not None and body.get("logprobs") is not True:
-        raise RequestError("body.top_logprobs needs body.logprobs: true", "top_logprobs")
+def _integer_field(name: str, low: int, high: int | None = None, description: str = "",
+                   urls: tuple[str, ...] = SUPPORTED_URLS) -> BodyField:
+    # A bound is a JSON number, which a reader may take as a double: 2**64 - 1 reads as 2**64.
+    bounds = {"minimum": low} | ({} if high is None else {"maximum": high})
+    return BodyField(name, {"type": "integer", **bounds, "description": description},
+                     functools.partial(_integer, name=name, low=low, high=high), urls)
+
+
+def _number_field(name: str, low: float, high: float, description: str, low_open: bool = False) -> BodyField:
+    low_bound = {"exclusiveMinimum": low} if low_open else {"minimum": low}
+    return BodyField(name, {"type": "number", **low_bound, "maximum": high, "description": description},
+                     functools.partial(_number, name=name, low=low, high=high, low_open=low_open))
+
+
+def _boolean_field(name: str, description: str, urls: tuple[str, ...] = SUPPORTED_URLS, hint: str = "") -> BodyField:
+    return BodyField(name, {"type": "boolean", "description": description},
+                     functools.partial(_boolean, name=name, hint=hint), urls)
 
 
 def requested_logprobs(body: dict[str, Any], url: str) -> int | None:
@@ -265,7 +273,7 @@ def requested_logprobs(body: dict[str, Any], url: str) -> int | None:
     return body.get("logprobs")
 
 
-def _integer(body: dict[str, Any], name: str, low: int, high: int | None = None) -> None:
+def _integer(body: dict[str, Any], *, name: str, low: int, high: int | None = None) -> None:
     value = body.get(name)
     if value is None:
         return
@@ -276,7 +284,7 @@ def _integer(body: dict[str, Any], name: str, low: int, high: int | None = None)
         raise RequestError(f"body.{name} must be {bound}, got {value}", name)
 
 
-def _number(body: dict[str, Any], name: str, low: float, high: float, low_open: bool = False) -> None:
+def _number(body: dict[str, Any], *, name: str, low: float, high: float, low_open: bool = False) -> None:
     value = body.get(name)
     if value is None:
         return
@@ -286,13 +294,29 @@ def _number(body: dict[str, Any], name: str, low: float, high: float, low_open: 
         raise RequestError(f"body.{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value}", name)
 
 
+def _boolean(body: dict[str, Any], *, name: str, hint: str) -> None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(f"body.{name} must be true or false, got {_show(value)}{hint}", name)
+
+
+def _check_token_ids(ids: Any) -> None:
+    if ids is not None and not (isinstance(ids, list) and all(_is_int(t) and t >= 0 for t in ids)):
+        raise RequestError(f"body.stop_token_ids must be a list of token ids (integers >= 0), got {_show(ids)}",
+                           "stop_token_ids")
+
+
 def _check_stop(stop: Any) -> None:
-    sequences = [stop] if isinstance(stop, str) else stop
-    if stop is None or (isinstance(sequences, list) and all(isinstance(s, str) and s for s in sequences)
-                        and len(sequences) <= MAX_STOP_SEQUENCES):
+    if stop is None or (isinstance(stop, str) and stop):
         return
-    raise RequestError(f"body.stop must be a non-empty string or a list of at most {MAX_STOP_SEQUENCES} "
-                       f"non-empty strings, got {_show(stop)}", "stop")
+    if not isinstance(stop, list):
+        raise RequestError(f"body.stop must be a non-empty string or a list of them, got {_show(stop)}", "stop")
+    if len(stop) > MAX_STOP_SEQUENCES:
+        raise RequestError(f"body.stop: at most {MAX_STOP_SEQUENCES} items, got {len(stop)}", "stop",
+                           code="array_above_max_length")
+    for i, item in enumerate(stop):
+        if not (isinstance(item, str) and item):
+            raise RequestError(f"body.stop[{i}] must be a non-empty string, got {_show(item)}", "stop")
 
 
 def _is_int(value: Any) -> bool:
@@ -303,6 +327,52 @@ def _show(value: Any, limit: int = 60) -> str:
     """A value as JSON, cut short: an error message must not echo a megabyte back."""
     text = json.dumps(value, default=str)
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
+
+
+# The sampling fields read (`sampling_params`), in OpenAI's words and ranges (vLLM's for its extras).
+# A new one is an entry here and its line in `sampling_params`; the server's schema follows.
+SAMPLING_FIELDS = (
+    _integer_field("max_tokens", 1, description="the most tokens to generate"),
+    _integer_field("max_completion_tokens", 1, description="OpenAI's newer name for max_tokens; wins over it"),
+    _integer_field("n", 1, description="choices per request (one is served)"),
+    _integer_field("min_tokens", 0, description="vLLM: tokens generated before a stop may end the answer"),
+    _integer_field("top_k", -1, description="vLLM: sample from the k likeliest tokens; -1 or 0: all"),
+    _integer_field("seed", *SEED_RANGE, description="the same seed and body give the same answer"),
+    _number_field("temperature", 0.0, MAX_TEMPERATURE, "0: greedy"),
+    _number_field("top_p", 0.0, 1.0, "nucleus sampling", low_open=True),
+    _boolean_field("ignore_eos", "vLLM: go on past the end-of-sequence token"),
+    BodyField("stop", {"anyOf": [{"type": "string", "minLength": 1},
+                                 {"type": "array", "items": {"type": "string", "minLength": 1},
+                                  "maxItems": MAX_STOP_SEQUENCES}],
+                       "description": "text that ends the answer (not included in it)"},
+              lambda body: _check_stop(body.get("stop"))),
+    BodyField("stop_token_ids", {"type": "array", "items": {"type": "integer", "minimum": 0},
+                                 "description": "vLLM: token ids that end the answer"},
+              lambda body: _check_token_ids(body.get("stop_token_ids"))),
+    _boolean_field("logprobs", "return each token's log-probability", urls=(CHAT_URL,),
+                   hint=" (the number of alternatives is body.top_logprobs)"),
+    _integer_field("top_logprobs", 0, MAX_TOP_LOGPROBS, "with logprobs: true, the N likeliest alternatives",
+                   urls=(CHAT_URL,)),
+    _integer_field("logprobs", 0, MAX_COMPLETION_LOGPROBS, "the N likeliest alternatives of each token",
+                   urls=(COMPLETIONS_URL,)),
+)
+
+
+def sampling_fields(url: str) -> tuple[BodyField, ...]:
+    return tuple(f for f in SAMPLING_FIELDS if url in f.urls)
+
+
+def check_fields(body: dict[str, Any], url: str = CHAT_URL) -> None:
+    """The type and range of every sampling field present: a string "5", `true` or Infinity is
+    refused naming the field, never coerced. `url`: the endpoint, whose words `logprobs` is read
+    in. Raises RequestError."""
+    for field in sampling_fields(url):
+        field.check(body)
+    if url == CHAT_URL and body.get("top_logprobs") is not None and body.get("logprobs") is not True:
+        raise RequestError("body.top_logprobs needs body.logprobs: true", "top_logprobs")
+    if url != CHAT_URL and body.get("top_logprobs") is not None:
+        raise RequestError("body.top_logprobs is a chat field: a /v1/completions body asks for N alternatives "
+                           "with body.logprobs: N", "top_logprobs")
 
 
 def requested_max_tokens(body: dict[str, Any]) -> int:
@@ -383,12 +453,13 @@ def check_structured_outputs(request: OpenAIRequest, llm: InProcessModel) -> Non
     """Compile the request's structured output for this model (the engine compiles each distinct
     one once); RequestError naming the field when it does not compile: an invalid schema, a keyword
     the compiler does not support, a regex or grammar with an error, a compile over the time limit.
-    Only an engine that `ChecksBeforeTokenizing` does this here; vLLM refuses it when it is added."""
+    Only an engine whose capabilities say it can does this here; vLLM refuses it when it is submitted."""
     setting = request.params.structured_outputs
-    if setting is None or not isinstance(llm.engine, ChecksBeforeTokenizing):
+    check = None if setting is None else llm.engine.capabilities.check_structured_outputs
+    if setting is None or check is None:
         return
     try:
-        llm.engine.check_structured_outputs(setting)
+        check(setting)
     except ValueError as exc:
         raise _named(str(exc), request.structured_outputs_field or "structured_outputs") from None
 
@@ -481,10 +552,8 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
 
 def check_prompt_size(request: OpenAIRequest, llm: InProcessModel) -> None:
     """Refuse a text prompt too long for the context by its length, without tokenizing it (which
-    takes seconds per megabyte), where the engine `ChecksBeforeTokenizing` (vLLM refuses it when it
-    is added). Token-id prompts are counted as they are, as cheaply, by the engine."""
-    if not isinstance(llm.engine, ChecksBeforeTokenizing):
-        return
+    takes seconds per megabyte), as the engine's input processor does. Token-id prompts are counted as
+    they are, as cheaply, by the engine."""
     if request.messages is not None:
         llm.engine.check_prompt_chars(sum(len(m["content"]) for m in request.messages))
     elif isinstance(request.prompt, str):
@@ -567,3 +636,8 @@ def completion_logprobs(logprobs: list[TokenLogprob], text_of: TokenText) -> dic
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs], "top_logprobs": tops,
             "text_offset": list(itertools.accumulate(map(len, tokens), initial=0))[:-1]}
+
+
+def api_root(url: str) -> str:
+    """`http://host:8000/v1` → `http://host:8000`: the API's paths (CHAT_URL, /v1/batches) start with /v1."""
+    return url.rstrip("/").removesuffix("/v1")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
@@ -85,27 +83,46 @@ def test_median_point_and_gains() -> None:
     assert big.gain == pytest.approx(8.0 / 0.5 - 1)
 
 
+# A child that spins for one CPU second, then prints the CPU time it used (start-up included).
+SPINNER = ("import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass\n"
+           "print(time.process_time(), flush=True)\n")
+# Accounting granularity: /proc/stat and /proc/PID/stat count in clock ticks, process_time does not.
+TICKS_SLACK_S = 0.2
+
+
+def assert_child_not_counted_as_other(other: float | None, busy_s: float, child_cpu_s: float) -> None:
+    """Other processes may use any CPU meanwhile, so the meter's figure cannot be bounded from below;
+    but the machine was busy for `busy_s` over a window around the meter's, and `child_cpu_s` of that
+    was the child's: a meter that counts the child as its own reports at most the rest. One that
+    counted it as another process's would report about `child_cpu_s` more."""
+    assert other is not None
+    assert other <= busy_s - child_cpu_s + TICKS_SLACK_S, (
+        f"other CPU {other:.2f} s of {busy_s:.2f} s busy: the child's {child_cpu_s:.2f} s counted as another's")
+
+
 def test_cpu_meter_counts_this_process_children_as_its_own() -> None:
     """vLLM computes in a child process: its CPU time is the benchmark's, not another process's
     (which would flag every vLLM run as measured on a busy machine)."""
     import subprocess
     import sys
-    import time
 
-    from tokenmill.bench.runner import CpuMeter, _descendants_cpu_seconds
+    from tokenmill.bench.runner import CpuMeter, _busy_seconds
 
+    busy0 = _busy_seconds()
+    assert busy0 is not None, "no /proc/stat here"
     meter = CpuMeter()
-    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
-                              "while time.process_time() - t < 1.0: pass\ntime.sleep(30)"])
+    # The child stays alive, reading its stdin, until this test has read the meter.
+    child = subprocess.Popen([sys.executable, "-c", SPINNER + "import sys\nsys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while _descendants_cpu_seconds(os.getpid()) < 1.0:  # the child's busy second, still alive
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        assert meter.other_seconds() is not None and meter.other_seconds() < 0.5
+        child_cpu = float(child.stdout.readline())  # type: ignore[union-attr]
+        other = meter.other_seconds()
+        busy = _busy_seconds()
+        assert child.poll() is None, "the child exited before the meter read it"
     finally:
-        child.kill()
-        child.wait()
+        child.communicate()  # closes its stdin: it exits
+    assert busy is not None
+    assert_child_not_counted_as_other(other, busy - busy0, child_cpu)
 
 
 def test_cpu_meter_counts_a_finished_child_as_its_own() -> None:
@@ -114,10 +131,13 @@ def test_cpu_meter_counts_a_finished_child_as_its_own() -> None:
     import subprocess
     import sys
 
-    from tokenmill.bench.runner import CpuMeter
+    from tokenmill.bench.runner import CpuMeter, _busy_seconds
 
+    busy0 = _busy_seconds()
+    assert busy0 is not None, "no /proc/stat here"
     meter = CpuMeter()
-    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\n"
-                    "while time.process_time() - t < 1.0: pass"], check=True)
+    done = subprocess.run([sys.executable, "-c", SPINNER], capture_output=True, text=True, check=True)
     other = meter.other_seconds()
-    assert other is not None and other < 0.5
+    busy = _busy_seconds()
+    assert busy is not None
+    assert_child_not_counted_as_other(other, busy - busy0, float(done.stdout))

@@ -244,7 +244,7 @@ def test_a_duplicate_id_keeps_its_error_row_and_its_twin_its_answer(stub: StubSe
 
 
 def test_a_second_cascade_on_a_folder_is_refused(stub: StubServer, job: Path, tmp_path: Path, capsys: Any) -> None:
-    from tokenmill.jobs.guard import OutputLock
+    from tokenmill.jobs.journal.guard import OutputLock
 
     out = tmp_path / "out"
     with OutputLock(out / "results.lock", out):  # as a cascade still running on it holds it

@@ -9,7 +9,7 @@ import pytest
 
 from tokenmill.choose.candidates import RESERVED, CandidateError, parse_candidate
 from tokenmill.engine import EngineConfig
-from tokenmill.jobs.endpoint import EndpointSpec
+from tokenmill.jobs.backends.endpoint import EndpointSpec
 from tokenmill.jobs.flags import add_arguments
 from tokenmill.vllm_engine import VllmConfig
 

@@ -258,7 +258,7 @@ def test_choose_never_writes_over_its_job_or_expected_file(stub: StubServer, job
 
 def test_a_second_choose_on_a_folder_is_refused(stub: StubServer, job: tuple[Path, Path], tmp_path: Path,
                                                 capsys: Any) -> None:
-    from tokenmill.jobs.guard import OutputLock
+    from tokenmill.jobs.journal.guard import OutputLock
 
     out = tmp_path / "out"
     with OutputLock(out / "results.lock", out):

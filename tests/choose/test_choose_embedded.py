@@ -10,7 +10,7 @@ import pytest
 
 from tests.jobs.conftest import read_jsonl
 from tokenmill.cli import main
-from tokenmill.jobs.output import answer_of
+from tokenmill.jobs.journal.rows import answer_of
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 LABELS = ("positive", "negative", "mixed")

@@ -1,4 +1,5 @@
-"""The outputs of `tokenmill choose` (tokenmill/choose/report.py): table, Markdown, JSON, PNG."""
+"""The outputs of `tokenmill choose` (tokenmill/choose/report.py): table, Markdown, JSON, PNG (checked
+by what its figure draws)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from matplotlib.text import Annotation
 from rich.console import Console
 
 from tokenmill.choose.report import (
+    figure,
     format_duration,
     log_scale,
     markdown,
@@ -125,14 +129,40 @@ def test_write_reports_writes_the_three_files(report: ChooseReport, tmp_path: Pa
     assert data == as_json_reads(report.to_json())
     assert data["verdict"]["chosen"] == "local-choice"
     assert data["candidates"][0]["ceiling"]["hardware"] == "H100"
-    png = paths["png"].read_bytes()
-    assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+    assert paths["png"].read_bytes().startswith(PNG_MAGIC)  # what it shows: the tests of `figure`
+
+
+def test_the_plot_draws_each_candidate_at_its_cost_and_quality(report: ChooseReport) -> None:
+    fig = figure(report)
+    (ax,) = fig.axes
+    (points,) = ax.containers  # one errorbar series: there is no cascade here
+    assert points.get_label() == "candidate"
+    dots, _, (intervals,) = points.lines
+    # The two finished candidates with a known cost, at (projected $, mean quality), in their order.
+    np.testing.assert_allclose(dots.get_xydata(), [[3.0, 0.93], [0.0063, 0.85]])
+    np.testing.assert_allclose(intervals.get_segments(), [[[3.0, 0.91], [3.0, 0.95]], [[0.0063, 0.77], [0.0063, 0.91]]])
+    assert [(t.get_text(), t.xy) for t in ax.texts if isinstance(t, Annotation)] == [
+        ("local-choice", (3.0, 0.93)), ("local-free", (0.0063, 0.85))]
+    lines = {line.get_label(): line for line in ax.lines}
+    # Neither beats the other (the cheaper is worse): both are on the front, cheapest first.
+    np.testing.assert_allclose(lines["Pareto front"].get_xydata(), [[0.0063, 0.85], [3.0, 0.93]])
+    (steps,) = [line for line in ax.lines if line.get_drawstyle() == "steps-post"]
+    np.testing.assert_allclose(steps.get_xydata(), [[0.0063, 0.85], [3.0, 0.93]])
+    np.testing.assert_allclose(lines["chosen: local-choice"].get_xydata(), [[3.0, 0.93]])
+    assert [0.9, 0.9] in [list(line.get_ydata()) for line in ax.lines]  # the bar, across the axes
+    assert " bar 0.90" in [t.get_text() for t in ax.texts]
+    assert ax.get_xscale() == "log"  # $0.0063 .. $3: more than 10x
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["Pareto front", "chosen: local-choice",
+                                                                   "candidate"]
+    assert [t.get_text() for t in fig.texts] == ["not plotted (cost unknown: api-mystery; did not finish: broken)"]
 
 
 def test_plot_with_nothing_to_plot_still_draws(report: ChooseReport, tmp_path: Path) -> None:
     report.candidates = [c for c in report.candidates if c.name in ("api-mystery", "broken")]
-    path = plot(report, tmp_path / "deep/empty.png")
-    assert path.read_bytes().startswith(PNG_MAGIC)
+    (ax,) = figure(report).axes
+    assert not ax.containers and [list(line.get_ydata()) for line in ax.lines] == [[0.9, 0.9]]  # the bar only
+    assert "no finished candidate with a known cost" in [t.get_text() for t in ax.texts]
+    assert plot(report, tmp_path / "deep/empty.png").read_bytes().startswith(PNG_MAGIC)
 
 
 def test_the_cost_axis_is_logarithmic_only_across_more_than_ten_times() -> None:

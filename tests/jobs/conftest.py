@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
-from tokenmill.jobs.endpoint import RetryPolicy
-from tokenmill.jobs.spec import BatchRequest
+from tokenmill.jobs.backends.base import BackendStats, ResultSink, StopFlag
+from tokenmill.jobs.backends.http import RetryPolicy
+from tokenmill.jobs.input.request import BatchRequest
 
 # Endpoint tests: a few quick tries, so a failure is final within a second.
 FAST_RETRY = RetryPolicy(max_attempts=4, base_delay=0.01, max_delay=0.05)

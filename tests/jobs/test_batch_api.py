@@ -25,9 +25,8 @@ from tests import serve_helpers
 from tests.serve_helpers import Running
 from tokenmill.cli import main
 from tokenmill.engine.llm import LLM
-from tokenmill.jobs.backend import ResultSink, StopFlag
-from tokenmill.jobs.backend_specs import build_backend
-from tokenmill.jobs.batch_api import (
+from tokenmill.jobs.backends.base import ResultSink, StopFlag
+from tokenmill.jobs.backends.batch_api import (
     SUBMITTED,
     UPLOADED,
     UPLOADING,
@@ -40,11 +39,13 @@ from tokenmill.jobs.batch_api import (
     line_ranges,
     part_metadata,
 )
-from tokenmill.jobs.batch_parts import OpenPart, PartSplitter, batch_line
+from tokenmill.jobs.backends.batch_parts import OpenPart, PartSplitter, batch_line
+from tokenmill.jobs.backends.build import build_backend
 from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.output import TRANSIENT_CODES
+from tokenmill.jobs.input.reader import read_input
+from tokenmill.jobs.input.request import BatchRequest, DocumentOptions
+from tokenmill.jobs.journal.rows import is_transient
 from tokenmill.jobs.runner import run_job
-from tokenmill.jobs.spec import BatchRequest, DocumentOptions, read_input
 
 from .conftest import assert_exactly_once, read_jsonl, write_jsonl
 from .conftest import batch_line as input_line
@@ -313,7 +314,7 @@ def test_rows_are_coded_as_live_replies_are_and_unfinished_work_is_retried() -> 
     assert results.rows[0]["response"]["request_id"] == "req_1"
     codes = [e["error"]["code"] for e in errors.rows]
     assert codes == ["http_400", "rate_limited", "server_error", "timeout", "http_400"]
-    assert {"rate_limited", "server_error", "timeout"} <= TRANSIENT_CODES and "http_400" not in TRANSIENT_CODES
+    assert all(map(is_transient, ("rate_limited", "server_error", "timeout"))) and not is_transient("http_400")
     # Our line leads the message, not the server's line in its part.
     assert errors.rows[4]["error"]["message"] == "line 6: invalid_input: body.model 'x' is not served"
 

@@ -10,9 +10,10 @@ import pytest
 
 from tokenmill.cli import main
 from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.output import line_of
+from tokenmill.jobs.input.reader import read_input
+from tokenmill.jobs.input.request import DocumentOptions
+from tokenmill.jobs.journal.rows import line_of
 from tokenmill.jobs.runner import run_job
-from tokenmill.jobs.spec import DocumentOptions, read_input
 
 from .conftest import EchoBackend, assert_exactly_once, read_jsonl
 from .stub_server import StubServer

@@ -3,7 +3,6 @@ whatever a kill, a torn write or a power cut left; the input is read as the back
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import random
@@ -17,13 +16,18 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from tokenmill.jobs import output, runner
-from tokenmill.jobs.backend import ResultSink, StopFlag
+from tokenmill.jobs import runner
+from tokenmill.jobs.backends.base import ResultSink, StopFlag
 from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.output import INDEX_HEADER, INDEX_RECORD, OutputPaths
+from tokenmill.jobs.errors import JobError
+from tokenmill.jobs.input.reader import DoneLines, InputStream
+from tokenmill.jobs.input.request import BatchRequest, DocumentOptions
+from tokenmill.jobs.input.seen_ids import FLUSH_EVERY, SeenIds, id_key
+from tokenmill.jobs.journal.index import ENDED_BY_LENGTH, INDEX_HEADER, INDEX_RECORD, create_index, read_index
+from tokenmill.jobs.journal.paths import OutputPaths
+from tokenmill.jobs.journal.rows import encode_row, result_row
+from tokenmill.jobs.journal.writers import IndexedResults
 from tokenmill.jobs.runner import run_job
-from tokenmill.jobs.seen_ids import FLUSH_EVERY, SeenIds, id_key
-from tokenmill.jobs.spec import BatchRequest, DocumentOptions, DoneLines, InputStream
 
 from .conftest import EchoBackend, assert_exactly_once, batch_line, read_jsonl, write_jsonl
 from .stub_server import StubServer
@@ -91,7 +95,7 @@ def test_rows_without_records_and_a_torn_record_are_cut_and_done_again(tmp_path:
     run_job(config(tmp_path, path), StopAfter(2), QUIET)
     paths = OutputPaths.from_option(tmp_path / "out")
     with paths.results.open("ab") as f:
-        f.write(output.encode_row(output.result_row("r2", {"choices": []})))
+        f.write(encode_row(result_row("r2", {"choices": []})))
         f.write(b'{"id": "torn')
     with paths.index.open("ab") as f:
         f.write(b"\x01\x02\x03")
@@ -115,20 +119,19 @@ def test_a_record_over_bytes_that_are_not_its_row_is_dropped(tmp_path: Path) -> 
     assert_exactly_once(tmp_path / "out", 4)
 
 
-def test_a_job_begun_before_the_index_resumes_by_custom_id(tmp_path: Path) -> None:
-    """job.json of version 1 (the whole input's sha256) and results without an index."""
+def test_a_job_of_an_older_layout_is_refused_with_how_to_finish_it(tmp_path: Path) -> None:
+    """Version 2 kept an error row's line only in its message: resuming one with this version would
+    not know its failed lines. It is refused, its files untouched, and --overwrite starts it over."""
     path = write_jsonl(tmp_path / "in.jsonl", lines(4))
     run_job(config(tmp_path, path), StopAfter(2), QUIET)
     paths = OutputPaths.from_option(tmp_path / "out")
-    job = json.loads(paths.job.read_text())
-    sha = hashlib.sha256(path.read_bytes()).hexdigest()
-    canonical = json.dumps({"input_sha256": sha, "settings": job["settings"]}, sort_keys=True)
-    paths.job.write_text(json.dumps({"version": 1, "fingerprint": hashlib.sha256(canonical.encode()).hexdigest(),
-                                     "input": str(path), "input_sha256": sha, "settings": job["settings"]}))
-    paths.index.unlink()
-    echo = EchoBackend()
-    outcome = run_job(config(tmp_path, path), echo, QUIET)
-    assert echo.served == ["r2", "r3"] and outcome.requests.done == 4
+    paths.job.write_text(json.dumps({**json.loads(paths.job.read_text()), "version": 2}))
+    before = {f: f.read_bytes() for f in (paths.results, paths.index, paths.job)}
+    with pytest.raises(JobError, match="job format 2; this one reads 3.*the tokenmill that began it.*--overwrite"):
+        run_job(config(tmp_path, path), EchoBackend(), QUIET)
+    assert {f: f.read_bytes() for f in before} == before
+    outcome = run_job(config(tmp_path, path, overwrite=True), EchoBackend(), QUIET)
+    assert outcome.requests.done == 4
     assert_exactly_once(tmp_path / "out", 4)
 
 
@@ -215,18 +218,18 @@ def test_the_first_request_goes_out_before_the_input_is_read(
 
 def test_the_sink_writes_the_record_before_the_row(tmp_path: Path) -> None:
     paths = OutputPaths.from_option(tmp_path / "out")
-    output.create_index(paths.index, 0)
-    results = output.IndexedResults(paths.results, paths.index, fsync_interval=0)
+    create_index(paths.index, 0)
+    results = IndexedResults(paths.results, paths.index, fsync_interval=0)
     sink = ResultSink(results, results, None)
     sink.result(BatchRequest(7, "x", "/v1/completions", {"prompt": "p", "max_tokens": 3}),
                 {"choices": [{"text": "t", "finish_reason": "length"}]})
     results.close()
-    found = output.read_index(paths.index, paths.results)
+    found = read_index(paths.index, paths.results)
     assert found is not None
     records, base, cut = found
     assert (base, cut, len(records)) == (0, 0, 1)
     assert int(records["line"][0]) == 7 and int(records["end"][0]) == paths.results.stat().st_size
-    assert int(records["flags"][0]) == output.ENDED_BY_LENGTH
+    assert int(records["flags"][0]) == ENDED_BY_LENGTH
 
 
 def test_done_lines_are_runs_that_a_rerun_passes_over_whole() -> None:

@@ -12,13 +12,14 @@ import pytest
 from rich.console import Console
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
-from tokenmill.jobs.cli import EXIT_INTERRUPTED, finish
+from tokenmill.jobs.backends.base import BackendStats, ResultSink, StopFlag
+from tokenmill.jobs.backends.embedded import EmbeddedBackend
+from tokenmill.jobs.cli import finish
 from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.embedded import EmbeddedBackend
-from tokenmill.jobs.output import line_of
+from tokenmill.jobs.errors import ExitCode
+from tokenmill.jobs.input.request import BatchRequest, DocumentOptions
+from tokenmill.jobs.journal.rows import line_of
 from tokenmill.jobs.runner import run_job
-from tokenmill.jobs.spec import BatchRequest, DocumentOptions
 from tokenmill.models.loader import LoadedWeights
 
 from .conftest import assert_exactly_once, batch_line, read_jsonl, write_jsonl
@@ -160,7 +161,7 @@ def test_ctrl_c_finishes_running_requests_drops_the_rest_and_resumes(
     config = JobConfig(input=path, output=tmp_path / "out", options=options, progress=False)
     outcome = run_job(config, InterruptAfterFirst(llm=llm))
     assert outcome.status == "interrupted" and outcome.requests.not_done == 10 - outcome.requests.done
-    assert finish(outcome, Console(stderr=True)) == EXIT_INTERRUPTED  # what `tokenmill run` says and returns
+    assert finish(outcome, Console(stderr=True)) == ExitCode.INTERRUPTED  # what `tokenmill run` says and returns
     assert "Re-run the same command to resume" in capsys.readouterr().err
     first = [r["custom_id"] for r in read_jsonl(tmp_path / "out/results.jsonl")]
     assert 1 <= len(first) <= 4  # at most the running batch finished; the queued ones were dropped

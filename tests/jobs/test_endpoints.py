@@ -15,16 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.jobs.backend import BackendStats
-from tokenmill.jobs.backend_specs import _replica_backends
+from tokenmill.jobs.backends.base import BackendStats
+from tokenmill.jobs.backends.build import _replica_backends
+from tokenmill.jobs.backends.endpoint import EndpointBackend, EndpointSpec, _env_proxy
+from tokenmill.jobs.backends.http import RetryPolicy
+from tokenmill.jobs.backends.rate_limit import RateLimit, estimated_tokens
+from tokenmill.jobs.backends.ray import RaySpec
 from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.endpoint import EndpointBackend, EndpointSpec, RetryPolicy, _env_proxy
+from tokenmill.jobs.errors import JobFailed
 from tokenmill.jobs.flags import add_arguments, backend_spec
-from tokenmill.jobs.output import JobFailed
-from tokenmill.jobs.rate_limit import RateLimit, estimated_tokens
-from tokenmill.jobs.ray_runner import RaySpec
+from tokenmill.jobs.input.request import BatchRequest, DocumentOptions
 from tokenmill.jobs.runner import run_job
-from tokenmill.jobs.spec import BatchRequest, DocumentOptions
 
 from .conftest import FAST_RETRY, assert_exactly_once, batch_line, read_jsonl, write_jsonl
 from .stub_server import StubServer

@@ -16,10 +16,11 @@ import pytest
 
 from tokenmill.cli import main
 from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.guard import OutputLock
-from tokenmill.jobs.output import INDEX_HEADER, INDEX_RECORD, JobError
+from tokenmill.jobs.errors import JobError
+from tokenmill.jobs.input.request import DocumentOptions
+from tokenmill.jobs.journal.guard import OutputLock
+from tokenmill.jobs.journal.index import INDEX_HEADER, INDEX_RECORD
 from tokenmill.jobs.runner import run_job
-from tokenmill.jobs.spec import DocumentOptions
 
 from .conftest import EchoBackend, assert_exactly_once, batch_line, read_jsonl, write_jsonl
 from .stub_server import StubServer

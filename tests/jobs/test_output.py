@@ -8,39 +8,43 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.jobs import output
-from tokenmill.jobs.output import JobError, JsonlAppender, OutputPaths
+from tokenmill.jobs.errors import JobError
+from tokenmill.jobs.journal.files import repair_jsonl
+from tokenmill.jobs.journal.identity import claim_outputs, job_record
+from tokenmill.jobs.journal.paths import OutputPaths
+from tokenmill.jobs.journal.rows import encode_row, error_row, is_final, result_row, usage_of
+from tokenmill.jobs.journal.writers import JsonlAppender
 
 
 def rows(n: int) -> list[dict]:
-    return [output.result_row(f"r-{i}", {"usage": {}}) for i in range(n)]
+    return [result_row(f"r-{i}", {"usage": {}}) for i in range(n)]
 
 
 def test_repair_cuts_a_torn_last_line(tmp_path: Path) -> None:
     path = tmp_path / "results.jsonl"
-    good = b"".join(output.encode_row(r) for r in rows(3))
+    good = b"".join(encode_row(r) for r in rows(3))
     path.write_bytes(good + b'{"id": "batch_req_x", "custom_id": "r-3", "resp')  # killed mid-write
-    found, cut = output.repair_jsonl(path)
+    found, cut = repair_jsonl(path)
     assert [r["custom_id"] for r in found] == ["r-0", "r-1", "r-2"]
     assert cut == 47 and path.read_bytes() == good
-    assert output.repair_jsonl(path) == (found, 0)  # idempotent
+    assert repair_jsonl(path) == (found, 0)  # idempotent
 
 
 def test_repair_cuts_garbage_tail_even_with_newlines(tmp_path: Path) -> None:
     """After a power loss a file can end in zero bytes, newline or not."""
     path = tmp_path / "results.jsonl"
-    good = b"".join(output.encode_row(r) for r in rows(2))
+    good = b"".join(encode_row(r) for r in rows(2))
     path.write_bytes(good + b"\x00\x00\x00\n\x00\x00")
-    found, cut = output.repair_jsonl(path)
+    found, cut = repair_jsonl(path)
     assert len(found) == 2 and cut == 6 and path.read_bytes() == good
 
 
 def test_a_damaged_line_in_the_middle_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "results.jsonl"
-    lines = [output.encode_row(r) for r in rows(3)]
+    lines = [encode_row(r) for r in rows(3)]
     path.write_bytes(lines[0] + b"oops\n" + lines[1])
     with pytest.raises(JobError, match="line 2 is damaged"):
-        output.repair_jsonl(path)
+        repair_jsonl(path)
 
 
 def test_appender_writes_each_row_with_one_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,7 +53,7 @@ def test_appender_writes_each_row_with_one_write(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(os, "write", lambda fd, data: writes.append(bytes(data)) or real_write(fd, data))
     monkeypatch.setattr(os, "fsync", lambda fd: syncs.append(fd) or real_fsync(fd))
     appender = JsonlAppender(tmp_path / "sub" / "out.jsonl", fsync_interval=0)
-    big = output.result_row("big", {"text": "x" * 200_000})  # larger than any stdio buffer
+    big = result_row("big", {"text": "x" * 200_000})  # larger than any stdio buffer
     appender.write(big)
     appender.write(rows(1)[0])
     appender.close()
@@ -75,21 +79,21 @@ IDENTITY_A = {"size": 3, "ends_sha256": "a" * 64}
 
 def test_outputs_belong_to_one_job(tmp_path: Path) -> None:
     paths = OutputPaths.from_option(tmp_path / "out")
-    job = output.job_record(Path("in.jsonl"), IDENTITY_A, {"max_tokens": 8, "model": "m"})
-    assert output.claim_outputs(paths, job, overwrite=False) is False
-    paths.results.write_text(output.encode_row(rows(1)[0]).decode())
-    assert output.claim_outputs(paths, job, overwrite=False) is True  # the same job: resume
+    job = job_record(Path("in.jsonl"), IDENTITY_A, {"max_tokens": 8, "model": "m"})
+    assert claim_outputs(paths, job, overwrite=False) is False
+    paths.results.write_text(encode_row(rows(1)[0]).decode())
+    assert claim_outputs(paths, job, overwrite=False) is True  # the same job: resume
 
     identity_b = {"size": 3, "ends_sha256": "b" * 64}
-    other_input = output.job_record(Path("other.jsonl"), identity_b, {"max_tokens": 8, "model": "m"})
+    other_input = job_record(Path("other.jsonl"), identity_b, {"max_tokens": 8, "model": "m"})
     with pytest.raises(JobError, match=r"input differs .*--overwrite"):
-        output.claim_outputs(paths, other_input, overwrite=False)
-    other_options = output.job_record(Path("in.jsonl"), IDENTITY_A, {"max_tokens": 9, "model": "m"})
+        claim_outputs(paths, other_input, overwrite=False)
+    other_options = job_record(Path("in.jsonl"), IDENTITY_A, {"max_tokens": 9, "model": "m"})
     with pytest.raises(JobError, match="max_tokens was 8, now 9"):
-        output.claim_outputs(paths, other_options, overwrite=False)
+        claim_outputs(paths, other_options, overwrite=False)
     assert paths.results.exists()  # refusing touched nothing
 
-    assert output.claim_outputs(paths, other_options, overwrite=True) is False
+    assert claim_outputs(paths, other_options, overwrite=True) is False
     assert not paths.results.exists()
     assert json.loads(paths.job.read_text())["settings"]["max_tokens"] == 9
 
@@ -97,14 +101,14 @@ def test_outputs_belong_to_one_job(tmp_path: Path) -> None:
 def test_a_results_file_without_job_json_is_not_ours(tmp_path: Path) -> None:
     paths = OutputPaths.from_option(tmp_path / "res.jsonl")
     paths.results.write_text('{"some": "thing"}\n')
-    job = output.job_record(Path("in.jsonl"), IDENTITY_A, {})
+    job = job_record(Path("in.jsonl"), IDENTITY_A, {})
     with pytest.raises(JobError, match="no res.job.json beside it"):
-        output.claim_outputs(paths, job, overwrite=False)
+        claim_outputs(paths, job, overwrite=False)
 
 
 def test_usage_and_finality() -> None:
     body = {"usage": {"prompt_tokens": 7, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}}}
-    assert output.usage_of(body) == (7, 4, 3)
-    assert output.usage_of({"usage": {"prompt_tokens_details": None}}) == (0, 0, 0)
-    assert output.is_final(output.error_row("a", 1, "http_400", "bad"))
-    assert not output.is_final(output.error_row("a", 1, "rate_limited", "slow down"))
+    assert usage_of(body) == (7, 4, 3)
+    assert usage_of({"usage": {"prompt_tokens_details": None}}) == (0, 0, 0)
+    assert is_final(error_row("a", 1, "http_400", "bad"))
+    assert not is_final(error_row("a", 1, "rate_limited", "slow down"))

@@ -12,12 +12,12 @@ import pyarrow.dataset as ds
 import pytest
 
 from tokenmill.cli import main
-from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
+from tokenmill.jobs.backends.base import BackendStats, ResultSink, StopFlag
 from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.parquet import SCHEMA
-from tokenmill.jobs.parts import PartSealer
+from tokenmill.jobs.input.request import BatchRequest, DocumentOptions
+from tokenmill.jobs.journal.parquet import SCHEMA
+from tokenmill.jobs.journal.parts import PartSealer
 from tokenmill.jobs.runner import run_job
-from tokenmill.jobs.spec import BatchRequest, DocumentOptions
 
 from .conftest import EchoBackend, batch_line, read_jsonl, write_jsonl
 from .stub_server import StubServer

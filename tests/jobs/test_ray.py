@@ -20,13 +20,15 @@ from typing import Any
 import pytest
 
 from tokenmill import LLM, EngineConfig
-from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
+from tokenmill.jobs.backends.base import BackendStats, ResultSink, StopFlag
+from tokenmill.jobs.backends.embedded import EmbeddedBackend
+from tokenmill.jobs.backends.endpoint import EndpointBackend, EndpointSpec
+from tokenmill.jobs.backends.http import RetryPolicy
 from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.embedded import EmbeddedBackend
-from tokenmill.jobs.endpoint import EndpointBackend, EndpointSpec, RetryPolicy
-from tokenmill.jobs.output import JobFailed, encode_row, line_of
+from tokenmill.jobs.errors import JobFailed
+from tokenmill.jobs.input.request import BatchRequest, DocumentOptions
+from tokenmill.jobs.journal.rows import encode_row, line_of
 from tokenmill.jobs.runner import run_job
-from tokenmill.jobs.spec import BatchRequest, DocumentOptions
 from tokenmill.models.loader import LoadedWeights
 
 from .conftest import assert_exactly_once, batch_line, read_jsonl, write_jsonl
@@ -35,7 +37,7 @@ from .stub_server import StubServer
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'tokenmill[ray]' (`make install` does)")
 pytest.importorskip("ray.data", reason="Ray Data is not installed: pip install 'tokenmill[ray]'")
 
-from tokenmill.jobs.ray_runner import RayBackend, RayOptions, Replica, serve_batch  # noqa: E402
+from tokenmill.jobs.backends.ray import RayBackend, RayOptions, Replica, serve_batch  # noqa: E402
 
 ENGINE = {"max_num_seqs": 4, "num_kv_blocks": 96, "max_model_len": 384}
 OPTIONS = DocumentOptions(max_tokens=6, temperature=0)
@@ -305,7 +307,7 @@ def test_the_single_machine_path_never_imports_ray(tmp_path: Path) -> None:
             "try:\n    main(['run', sys.argv[1], '-o', sys.argv[2], '--endpoint', 'http://127.0.0.1:9', "
             "'--max-attempts', '1', '--no-progress'])\nexcept SystemExit:\n    pass\n"
             "assert 'ray' not in sys.modules, 'imported ray'\n"
-            "import tokenmill.jobs.embedded, tokenmill.jobs.cli, tokenmill.jobs.runner\n"
+            "import tokenmill.jobs.backends.embedded, tokenmill.jobs.cli, tokenmill.jobs.runner\n"
             "assert 'ray' not in sys.modules, 'imported ray'\n")
     done = subprocess.run([sys.executable, "-c", code, str(path), str(tmp_path / "out")], capture_output=True,
                           text=True, timeout=120)

@@ -10,9 +10,10 @@ from rich.console import Console
 
 from tokenmill.cli import main
 from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.output import JobError, encode_row, line_of, result_row
+from tokenmill.jobs.errors import JobError
+from tokenmill.jobs.input.request import DocumentOptions, Entry
+from tokenmill.jobs.journal.rows import encode_row, line_of, result_row
 from tokenmill.jobs.runner import order_entries, run_job
-from tokenmill.jobs.spec import DocumentOptions, Entry
 from tokenmill.jobs.summary import print_summary
 
 from .conftest import EchoBackend, assert_exactly_once, batch_line, read_jsonl, write_jsonl

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.jobs.embedded import EmbeddedBackend
-from tokenmill.jobs.spec import DocumentOptions, read_input
+from tokenmill.jobs.backends.embedded import EmbeddedBackend
+from tokenmill.jobs.input.reader import read_input
+from tokenmill.jobs.input.request import DocumentOptions
 
 from .conftest import batch_line, write_jsonl
 
@@ -86,8 +87,7 @@ def test_values_are_refused_by_type_and_range_not_coerced(tmp_path: Path) -> Non
         'line 2: body.max_tokens must be an integer, got "5"',
         "line 3: body.max_tokens must be an integer, got true",
         "line 4: body.temperature must be a finite number, got Infinity",
-        'line 5: body.stop must be a non-empty string or a list of at most 16 non-empty strings, got ["s", '
-        '"s", "s", "s", "s", "s", "s", "s", "s", "s", "s", "s",… (5,000 characters)',
+        "line 5: body.stop: at most 16 items, got 1000",
         "line 6: body.stop_token_ids must be a list of token ids (integers >= 0), got [-1]",
         f"line 7: body.seed must be in [{-(2**63)}, {2**64 - 1}], got {2**80}",
         "line 8: not JSON (Expecting ',' delimiter at the end of the line)",

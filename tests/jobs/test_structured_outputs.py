@@ -14,11 +14,12 @@ from rich.console import Console
 from tokenmill import LLM
 from tokenmill.cli import main
 from tokenmill.engine import StructuredOutputsParams
+from tokenmill.jobs.backends.embedded import EmbeddedBackend
 from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.embedded import EmbeddedBackend
-from tokenmill.jobs.output import JobError
+from tokenmill.jobs.errors import JobError
+from tokenmill.jobs.input.reader import read_input
+from tokenmill.jobs.input.request import DocumentOptions
 from tokenmill.jobs.runner import run_job
-from tokenmill.jobs.spec import DocumentOptions, read_input
 from tokenmill.jobs.summary import print_summary
 from tokenmill.models.loader import LoadedWeights
 from tokenmill.openai_compat import structured_outputs, structured_outputs_body

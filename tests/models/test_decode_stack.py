@@ -12,13 +12,14 @@ import torch
 from tests.models.test_equivalence import _prompts, _tiny_model
 from tests.models.test_quant import needs_kernel
 from tokenmill import LLM, SamplingParams
-from tokenmill.models.decoder import CausalLM
+from tokenmill.models.decode_stack import DecodeStack
+from tokenmill.models.fused import FusedCausalLM
 from tokenmill.models.loader import load_weights
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
-def _compare_every_decode_step(model: CausalLM) -> list[bool]:
+def _compare_every_decode_step(model: FusedCausalLM) -> list[bool]:
     """Runs each decode step layer by layer, then again on the stack (which rewrites the same K/V
     slots), and records whether the logits are equal."""
     forward, equal = model.forward, []
@@ -69,3 +70,8 @@ def test_fp32_weights_keep_the_layer_by_layer_path(gguf_path: Path) -> None:
     llm = LLM(str(gguf_path), weight_format="fp32")
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, progress=False)
     assert llm.engine.runner.model._decode_stack is None
+
+
+def test_a_layer_the_stack_does_not_know_is_refused_by_name() -> None:
+    with pytest.raises(TypeError, match="layer 0 is a Linear, not decoder.py's DecoderLayer"):
+        DecodeStack.build([torch.nn.Linear(8, 8)], rotary_dim=8)

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from tokenmill import environment
+from tokenmill.formats.gguf_config import ROPE_FREQS
 from tokenmill.models.config import ModelConfig, rope_inv_freq
-from tokenmill.models.gguf_file import GGUF_ARCHITECTURES, ROPE_FREQS, read_gguf
+from tokenmill.models.gguf_file import GGUF_ARCHITECTURES, read_gguf
 
 # A tiny Llama: 4 query heads, 2 key/value heads of 8 dims; theta 500k as Llama 3's.
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS, FFN, VOCAB = 32, 4, 2, 8, 2, 48, 64

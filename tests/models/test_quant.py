@@ -16,7 +16,7 @@ from tests.models.test_equivalence import _check_cache_paths, _tiny_model
 from tests.reference import TeacherForcedReference
 from tokenmill import LLM
 from tokenmill.engine import perplexity
-from tokenmill.gguf_header import read_gguf_header
+from tokenmill.formats.gguf_header import read_gguf_header
 from tokenmill.models import kernels, quant
 from tokenmill.models.gguf_file import read_gguf
 from tokenmill.models.loader import load_weights

@@ -14,6 +14,8 @@ from tokenmill.plan.errors import PlanError
 from tokenmill.plan.hardware import HardwareSpec
 from tokenmill.plan.model_specs import (
     PRESET_CONFIGS,
+    MLASpec,
+    MoESpec,
     kv_elements_per_token,
     load_model,
     param_counts,
@@ -199,6 +201,39 @@ def test_gguf_states_its_own_tensor_widths(tmp_path: Path, fake_machine: Hardwar
     assert w.blocks * c.blocks == pytest.approx((c.blocks - norms) * 18 / 32 + norms * 4)
     setup = make_setup(m, fake_machine, PlanConfig(input_len=8, output_len=8))
     assert setup.weight_bytes == pytest.approx(96 * 64 * (34 / 32 + 2) + w.blocks * c.blocks)
+
+
+def _write_expert_gguf(path: Path) -> Path:
+    """A DeepSeek-style GGUF header, tensors all F32 zeros: 3 layers, the first dense and the others
+    with 4 routed experts (2 used) and 2 shared ones by count, latent attention."""
+    d, ffn, expert_ffn, vocab = 32, 48, 16, 64
+    writer = gguf.GGUFWriter(str(path), "deepseek2")
+    for key, value in (("block_count", 3), ("embedding_length", d), ("attention.head_count", 4),
+                       ("feed_forward_length", ffn), ("context_length", 128), ("expert_count", 4),
+                       ("expert_used_count", 2), ("expert_feed_forward_length", expert_ffn),
+                       ("expert_shared_count", 2), ("attention.kv_lora_rank", 16),
+                       ("attention.q_lora_rank", 8), ("rope.dimension_count", 4),
+                       ("attention.key_length", 12), ("attention.value_length", 8)):
+        writer.add_uint32(f"deepseek2.{key}", value)
+    writer.add_array("deepseek2.attention.head_count_kv", [4, 2, 4])  # per layer: planned at the widest
+    shapes = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,), "blk.0.ffn_up.weight": (ffn, d)}
+    shapes |= {f"blk.{layer}.ffn_up_exps.weight": (4, expert_ffn, d) for layer in (1, 2)}
+    for name, shape in shapes.items():
+        writer.add_tensor(name, np.zeros(shape, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_experts_and_latent_attention(tmp_path: Path) -> None:
+    m = load_model(str(_write_expert_gguf(tmp_path / "experts.gguf")))
+    assert (m.num_layers, m.num_kv_heads, m.head_dim, m.ffn_size, m.max_context) == (3, 4, 12, 48, 128)
+    assert m.moe == MoESpec(num_experts=4, top_k=2, expert_ffn=16, num_moe_layers=2,
+                            num_shared_experts=2, shared_ffn=16)
+    assert m.mla == MLASpec(q_lora_rank=8, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                            v_head_dim=8)
 
 
 def test_default_model_is_the_embedded_gguf(smollm2_gguf: Path) -> None:

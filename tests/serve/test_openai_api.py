@@ -206,6 +206,7 @@ def test_a_stream_stuck_in_a_send_is_closed_when_its_client_goes_away() -> None:
     send, not the event generator parked at its `yield`; the response must still run the
     generator's cleanup (the abort) at once, not whenever it is garbage-collected."""
     cleaned_up: list[bool] = []
+    stuck = asyncio.Event()  # a body send has begun and blocks
 
     async def events() -> AsyncGenerator[str, None]:
         try:
@@ -215,16 +216,18 @@ def test_a_stream_stuck_in_a_send_is_closed_when_its_client_goes_away() -> None:
             cleaned_up.append(True)
 
     async def receive() -> dict:
-        await asyncio.sleep(0.05)
+        await stuck.wait()  # the client goes away only once the send is stuck
         return {"type": "http.disconnect"}
 
     async def send(message: dict) -> None:
         if message["type"] == "http.response.body":
+            stuck.set()
             await asyncio.Event().wait()  # the client's socket buffer is full
 
     async def main() -> list[bool]:
         generator = events()  # held here, so garbage collection cannot close it for us
-        await _EventStream(generator)({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+        response = _EventStream(generator)({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+        await asyncio.wait_for(response, timeout=30)  # a response that missed the disconnect fails, not hangs
         return list(cleaned_up)
 
     assert asyncio.run(main()) == [True]

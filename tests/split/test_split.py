@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from tokenmill.cli import main
-from tokenmill.jobs.spec import DocumentOptions, read_input
+from tokenmill.jobs.input.reader import read_input
+from tokenmill.jobs.input.request import DocumentOptions
 
 
 def parts_of(out: Path) -> list[list[dict[str, Any]]]:
@@ -121,7 +122,7 @@ def test_a_split_never_writes_over_its_input(tmp_path: Path, capsys: pytest.Capt
 
 
 def test_a_second_split_into_a_folder_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tokenmill.jobs.guard import OutputLock
+    from tokenmill.jobs.journal.guard import OutputLock
 
     (tmp_path / "in.txt").write_text("one\ntwo\n")
     out = tmp_path / "parts"

@@ -112,9 +112,9 @@ def test_ray_with_engine_vllm_makes_each_replica_a_vllm_engine() -> None:
     """--ray --engine vllm --gpus-per-replica N: each Ray replica gets a vLLM backend (built in the
     replica, never here) and N GPUs; the driver only checks bodies."""
     pytest.importorskip("ray.data")
-    from tokenmill.jobs.backend_specs import build_backend
+    from tokenmill.jobs.backends.build import build_backend
+    from tokenmill.jobs.backends.ray import RaySpec
     from tokenmill.jobs.flags import backend_spec
-    from tokenmill.jobs.ray_runner import RaySpec
 
     spec = backend_spec(_run_args("--ray", "--engine", "vllm", "--replicas", "3", "--gpus-per-replica", "2",
                                   "--tensor-parallel-size", "2", "--max-num-seqs", "128"))

@@ -20,7 +20,7 @@ from tests.jobs.conftest import assert_exactly_once, read_jsonl
 from tests.reference import ReferenceCache, assert_matches_reference
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine import StructuredOutputsParams
-from tokenmill.jobs.output import answer_of
+from tokenmill.jobs.journal.rows import answer_of
 from tokenmill.models.export import hf_folder_for
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these in .venv-vllm")

@@ -14,7 +14,7 @@ from typing import Any
 from tokenmill.bench.metrics import RequestRecord
 from tokenmill.bench.runner import RunOutcome
 from tokenmill.bench.workloads import Request
-from tokenmill.engine import InProcessModel, RequestOutput, SamplingParams
+from tokenmill.engine import FinishReason, InProcessModel, RequestOutput, SamplingParams
 
 
 class EmbeddedTarget:
@@ -74,5 +74,5 @@ def _update(rec: RequestRecord, out: RequestOutput, now: float) -> None:
     rec.cached_tokens = out.num_cached_tokens
     if out.finished:
         rec.end = now
-        if out.finish_reason == "abort":
+        if out.finish_reason is FinishReason.ABORT:
             rec.error = "aborted"

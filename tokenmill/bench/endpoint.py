@@ -20,6 +20,7 @@ import httpx
 from tokenmill.bench.metrics import RequestRecord
 from tokenmill.bench.runner import RunOutcome
 from tokenmill.bench.workloads import Request
+from tokenmill.openai_compat import api_root
 
 
 class EndpointTarget:
@@ -27,7 +28,7 @@ class EndpointTarget:
 
     def __init__(self, url: str, tokenizer: Any, model: str | None = None, api_key: str | None = None,
                  plain_openai: bool = False, timeout_s: float = 600.0) -> None:
-        self.base = url.rstrip("/").removesuffix("/v1")
+        self.base = api_root(url)
         self.tokenizer = tokenizer
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.plain_openai = plain_openai

@@ -13,13 +13,11 @@ from tokenmill.cascade.summary import print_cascade
 from tokenmill.choose.acceptance import FORMS
 from tokenmill.choose.candidates import parse_candidate
 from tokenmill.environment import readable_file, writable_folder
+from tokenmill.jobs import ExitCode, JobError, JobFailed
 from tokenmill.jobs import flags as run_flags
-from tokenmill.jobs.output import JobError, JobFailed
-from tokenmill.jobs.spec import FORMATS, DocumentOptions
+from tokenmill.jobs.input import FORMATS, DocumentOptions
 from tokenmill.plan.price import FLAG_HELP as PRICE_HELP
 from tokenmill.plan.price import price_per_hour_arg
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_JOB_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,15 +45,15 @@ def run(args: argparse.Namespace) -> int:
         outcome = run_cascade(_config(args), console)
     except KeyboardInterrupt:
         print("tokenmill cascade: interrupted; what ran is kept: re-run the same command to resume", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return ExitCode.INTERRUPTED
     except JobFailed as exc:
         print(f"tokenmill cascade: {exc}", file=sys.stderr)
-        return EXIT_JOB_FAILED
+        return ExitCode.JOB_FAILED
     except (JobError, ValueError, FileNotFoundError) as exc:
         print(f"tokenmill cascade: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     print_cascade(outcome, Console() if sys.stdout.isatty() else Console(width=200))
-    return EXIT_FAILED if any(t.failed for t in outcome.tiers) else EXIT_OK
+    return ExitCode.FAILED if any(t.failed for t in outcome.tiers) else ExitCode.OK
 
 
 def _config(args: argparse.Namespace) -> CascadeConfig:

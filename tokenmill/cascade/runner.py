@@ -8,7 +8,7 @@ tiers, the hand-on is written whole before the next tier starts:
 - `tiers/NAME/rejected.jsonl`: the tier's answers that failed the checks (and its rows that
   failed for good), each with `"rejected": why` — kept for audit;
 - `tiers/NAME/final_errors.jsonl`: its rows that failed and cannot go on (a bad input line);
-- `tiers/NEXT/input.jsonl`: the rejected rows, ids kept (jobs/subset.py), written last: its
+- `tiers/NEXT/input.jsonl`: the rejected rows, ids kept (jobs/input/subset.py), written last: its
   existence says the hand-on is complete.
 
 A tier that finished every row writes `done.json` and is not started again (its model is not even
@@ -19,13 +19,13 @@ tiers' answers were not kept) and replaced whole, so the assembly too can be cut
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
-import os
 import re
 import shutil
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -37,21 +37,12 @@ from tokenmill.cascade.summary import CascadeOutcome, TierResult, last_tier_alon
 from tokenmill.choose.acceptance import Acceptance, AcceptanceError, acceptance_for
 from tokenmill.choose.candidates import Candidate
 from tokenmill.choose.runs import log_run, timed
-from tokenmill.jobs.backend_specs import build_backend
-from tokenmill.jobs.guard import Footprint, OutputLock, refuse_inputs_in, with_temporaries
-from tokenmill.jobs.output import (
-    INVALID_INPUT,
-    JobError,
-    JobFailed,
-    OutputPaths,
-    is_final,
-    usage_of,
-    write_json_atomic,
-)
-from tokenmill.jobs.runner import run_job
-from tokenmill.jobs.spec import DocumentOptions, input_identity, read_input
-from tokenmill.jobs.subset import write_subset
-from tokenmill.jobs.summary import print_summary
+from tokenmill.jobs import JobError, JobFailed, print_summary, run_job, say
+from tokenmill.jobs.backends import build_backend
+from tokenmill.jobs.input import DocumentOptions, input_identity, read_input, write_subset
+from tokenmill.jobs.journal import Footprint, OutputLock, OutputPaths, refuse_inputs_in, with_temporaries
+from tokenmill.jobs.results import ErrorCode, is_final, read_rows, usage_of
+from tokenmill.jobs.storage import atomic_write_json, replacing
 
 TIERS, CASCADE_FILE, DONE_FILE = "tiers", "cascade.json", "done.json"
 REJECTED_FILE, FINAL_ERRORS_FILE, TIER_INPUT = "rejected.jsonl", "final_errors.jsonl", "input.jsonl"
@@ -133,7 +124,7 @@ def _claim(config: CascadeConfig, paths: OutputPaths) -> None:
         if "input_identity" in old:
             return  # else recorded before cascades kept their input's identity: the rest decided, now it is kept
     config.output.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, record)
+    atomic_write_json(path, record)
 
 
 _RECORDED = {"input": "the input's path", "input_identity": "the input's contents (size, sha256 of its ends)",
@@ -167,7 +158,7 @@ def _run_tier(tier: Candidate, source: Path, fmt: str, folder: Path, acceptance:
     if acceptance is not None and acceptance.logprobs is not None:
         options = replace(options, logprobs=max(acceptance.logprobs, options.logprobs or 0))
     job = replace(job, options=options, input_format=fmt)
-    _say(console, f"\n[{tier.name}] tokenmill run {tier.flags_text}")
+    say(console, f"\n[{tier.name}] tokenmill run {tier.flags_text}")
     try:
         outcome = run_job(job, build_backend(tier.backend), console)
     finally:
@@ -184,7 +175,7 @@ def _run_tier(tier: Candidate, source: Path, fmt: str, folder: Path, acceptance:
 
 
 def _write_done(folder: Path, source: Path, rows: int) -> None:
-    write_json_atomic(folder / DONE_FILE, {"rows": rows, "input_identity": input_identity(source)})
+    atomic_write_json(folder / DONE_FILE, {"rows": rows, "input_identity": input_identity(source)})
 
 
 def _has_rows(path: Path) -> bool:
@@ -197,28 +188,28 @@ def _hand_on(name: str, source: Path, fmt: str, folder: Path, acceptance: Accept
     """Check the tier's answers; write its rejected and final rows, then the next tier's input."""
     paths = OutputPaths.from_option(folder)
     rejected: dict[str, str] = {}
-    with _Writer(folder / REJECTED_FILE) as audit:
-        for row in _rows(paths.results):
+    with _writing(folder / REJECTED_FILE) as audit:
+        for row in read_rows(paths.results):
             try:
                 reason = acceptance.rejects(row["response"]["body"])
             except AcceptanceError as exc:
                 raise JobError(f"--tier {name}: {exc} (its answers are kept in {paths.results})") from None
             if reason is not None:
                 rejected[row["custom_id"]] = reason
-                audit.write({**row, "rejected": reason})
+                audit({**row, "rejected": reason})
         good = read_input(source, config.csv_columns, fmt)
         ids = {e.custom_id for e in good.entries}
-        with _Writer(folder / FINAL_ERRORS_FILE) as final:
+        with _writing(folder / FINAL_ERRORS_FILE) as final:
             # A final error is never retried, so its row has no result beside it.
-            for row in filter(is_final, _rows(paths.errors)):
+            for row in filter(is_final, read_rows(paths.errors)):
                 custom_id = row.get("custom_id")
                 # A bad line ends here even where its id is a good line's (a duplicate id): it has
                 # no answer for a later tier to improve on.
-                if custom_id in ids and row["error"]["code"] != INVALID_INPUT:
+                if custom_id in ids and row["error"]["code"] != ErrorCode.INVALID_INPUT:
                     rejected[custom_id] = f"failed: {row['error']['code']}"
-                    audit.write({**row, "rejected": rejected[custom_id]})
+                    audit({**row, "rejected": rejected[custom_id]})
                 else:  # a line no tier can read: it ends here
-                    final.write(row)
+                    final(row)
     after.mkdir(parents=True, exist_ok=True)
     write_subset(Path(good.path), good.format, good.entries, good.csv_layout, rejected, after / TIER_INPUT)
 
@@ -228,26 +219,26 @@ def _assemble(config: CascadeConfig, paths: OutputPaths) -> CascadeOutcome:
     escalations: dict[str, list[dict[str, str]]] = {}
     tiers: list[TierResult] = []
     out = config.output
-    with _Writer(paths.results) as results, _Writer(paths.errors) as errors:
+    with _writing(paths.results) as results, _writing(paths.errors) as errors:
         for i, tier in enumerate(config.tiers):
             folder = out / TIERS / tier.name
             last = i == len(config.tiers) - 1
-            handed = {} if last else {r["custom_id"]: r["rejected"] for r in _rows(folder / REJECTED_FILE)}
+            handed = {} if last else {r["custom_id"]: r["rejected"] for r in read_rows(folder / REJECTED_FILE)}
             result = _tier_result(tier, folder)
-            for row in _rows(OutputPaths.from_option(folder).results):
+            for row in read_rows(OutputPaths.from_option(folder).results):
                 result.answered += 1
                 prompt, _, completion = usage_of(row["response"]["body"])
                 result.prompt_tokens += prompt
                 result.completion_tokens += completion
                 if row["custom_id"] not in handed:
                     result.accepted += 1
-                    results.write(_tagged(row, tier.name, escalations))
-            final = (_rows(OutputPaths.from_option(folder).errors) if last
-                     else _rows(folder / FINAL_ERRORS_FILE))
+                    results(_tagged(row, tier.name, escalations))
+            final = (read_rows(OutputPaths.from_option(folder).errors) if last
+                     else read_rows(folder / FINAL_ERRORS_FILE))
             for row in final:
                 if not last or is_final(row):
                     result.failed += 1
-                    errors.write(_tagged(row, tier.name, escalations))
+                    errors(_tagged(row, tier.name, escalations))
             for custom_id, reason in handed.items():
                 escalations.setdefault(custom_id, []).append({"tier": tier.name, "reason": reason})
             result.rejections = dict(Counter(_kind(r) for r in handed.values()).most_common())
@@ -257,7 +248,7 @@ def _assemble(config: CascadeConfig, paths: OutputPaths) -> CascadeOutcome:
             tiers.append(result)
     outcome = CascadeOutcome(str(config.input), str(paths.results), str(paths.errors), tiers)
     outcome.last_tier_alone = last_tier_alone(tiers)
-    write_json_atomic(paths.summary, outcome.to_json())
+    atomic_write_json(paths.summary, outcome.to_json())
     return outcome
 
 
@@ -281,40 +272,10 @@ def _kind(reason: str) -> str:
 _MEASURED = re.compile(r" -?\d[\d.e+-]*(?= <)")
 
 
-def _rows(path: Path) -> Iterator[dict[str, Any]]:
-    """A JSONL file's rows, one at a time (a torn last line, from a kill, is not a row)."""
-    if not path.exists():
-        return
-    with path.open("rb") as f:
-        for line in f:
-            try:
-                yield orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue
 
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """A JSONL file written whole (storage.replacing): yields the function that writes a row."""
+    with replacing(path) as f:
+        yield lambda row: f.write(orjson.dumps(row) + b"\n")
 
-class _Writer:
-    """A JSONL file written whole: to a temporary file, synced and renamed on success."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.tmp = path, path.with_name(path.name + ".tmp")
-
-    def __enter__(self) -> _Writer:
-        self.file = self.tmp.open("wb")
-        return self
-
-    def write(self, row: dict[str, Any]) -> None:
-        self.file.write(orjson.dumps(row) + b"\n")
-
-    def __exit__(self, kind: object, *_: object) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        if kind is None:
-            os.replace(self.tmp, self.path)
-        else:
-            self.tmp.unlink(missing_ok=True)
-
-
-def _say(console: Console, text: str) -> None:
-    console.print(text, markup=False, highlight=False, soft_wrap=True)

@@ -30,7 +30,7 @@ from typing import Any
 
 from tokenmill.choose.candidates import Candidate
 from tokenmill.choose.scorers import PYTHON_FORMS, PYTHON_PREFIX, PythonScorer, ScorerError, strip_fence
-from tokenmill.jobs.output import answer_of, finish_reason_of
+from tokenmill.jobs.results import answer_of, finish_reason_of
 from tokenmill.openai_compat import structured_outputs
 
 CONFIDENCE = {"mean-logprob": (-math.inf, 0.0), "min-logprob": (-math.inf, 0.0), "margin": (0.0, 1.0)}

@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import NoReturn
 
 from tokenmill.choose.results import Price
+from tokenmill.jobs import JobConfig
 from tokenmill.jobs import flags as run_flags
-from tokenmill.jobs.backend_specs import BackendSpec
-from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.ray_runner import RaySpec
+from tokenmill.jobs.backends import BackendSpec, RaySpec
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # `choose` decides these for every candidate: its sample, its folder, and starting afresh.

@@ -31,7 +31,7 @@ from tokenmill.choose.runs import projected_wall
 from tokenmill.choose.scorers import Score
 from tokenmill.choose.stats import clears, quality
 from tokenmill.cost import MILLION
-from tokenmill.jobs.output import usage_of
+from tokenmill.jobs.results import usage_of
 
 PREFIX = "cascade:"
 

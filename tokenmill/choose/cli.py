@@ -21,12 +21,11 @@ from tokenmill.choose.results import CLEAR_BY, DONE
 from tokenmill.choose.runner import ChooseConfig, choose
 from tokenmill.choose.scorers import DEFAULT_SCORER, SCORERS
 from tokenmill.environment import CLIENT_API_KEY_ENV, client_api_key, readable_file, writable_folder
+from tokenmill.jobs import ExitCode
 from tokenmill.jobs import flags as run_flags
-from tokenmill.jobs.spec import FORMATS, DocumentOptions
+from tokenmill.jobs.input import FORMATS, DocumentOptions
 from tokenmill.plan.price import FLAG_HELP as PRICE_HELP
 from tokenmill.plan.price import price_per_hour_arg
-
-EXIT_OK, EXIT_NOT_ALL_DONE, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,15 +90,15 @@ def run(args: argparse.Namespace) -> int:
         report = choose(config, console)
     except KeyboardInterrupt:
         print("tokenmill choose: interrupted; what ran is kept: re-run the same command to resume", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return ExitCode.INTERRUPTED
     except (ValueError, FileNotFoundError) as exc:  # bad input, a candidate's flags, a scorer that failed
         print(f"tokenmill choose: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     # A terminal's own width; 200 columns in a pipe or a log, where rich would assume 80 and squeeze the table.
     print_report(report, Console() if sys.stdout.isatty() else Console(width=200))
     for kind, path in report_files(config.output).items():
         console.print(f"{kind}: {path}", markup=False, highlight=False)
-    return EXIT_OK if all(c.status == DONE for c in report.candidates) else EXIT_NOT_ALL_DONE
+    return ExitCode.OK if all(c.status == DONE for c in report.candidates) else ExitCode.FAILED
 
 
 def _config(args: argparse.Namespace) -> ChooseConfig:

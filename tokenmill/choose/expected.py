@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenmill.jobs.spec import json_object_line
+from tokenmill.jobs.input import json_object_line
 
 ID_KEYS = ("custom_id", "id")  # the first one present is the row's id
 ANSWER_KEY = "expected"

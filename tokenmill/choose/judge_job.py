@@ -15,10 +15,9 @@ from rich.console import Console
 
 from tokenmill.choose.judge import judge_body, parse_judge_reply
 from tokenmill.choose.scorers import Score
-from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.endpoint import EndpointBackend, EndpointSpec, RetryPolicy
-from tokenmill.jobs.output import JobError, OutputPaths, answer_of, is_final, repair_jsonl
-from tokenmill.jobs.runner import run_job
+from tokenmill.jobs import JobConfig, JobError, run_job
+from tokenmill.jobs.backends import EndpointBackend, EndpointSpec, RetryPolicy
+from tokenmill.jobs.results import answer_of, final_error_rows, result_rows
 from tokenmill.openai_compat import CHAT_URL
 
 JUDGE = "judge"
@@ -73,11 +72,9 @@ def judge_scores(judge: JudgeConfig, name: str, answers: Mapping[str, Answered],
 
 
 def _read_verdicts(folder: Path, ids: list[str]) -> dict[str, Score]:
-    paths = OutputPaths.from_option(folder)
     scores = {i: Score(0.0, "not judged") for i in ids}  # a transient failure left for a re-run
-    for row in repair_jsonl(paths.errors)[0]:
-        if is_final(row):
-            scores[row["custom_id"]] = Score(0.0, "judge failed")
-    for row in repair_jsonl(paths.results)[0]:
+    for row in final_error_rows(folder):
+        scores[row["custom_id"]] = Score(0.0, "judge failed")
+    for row in result_rows(folder):
         scores[row["custom_id"]] = parse_judge_reply(answer_of(row["response"]["body"]) or "")
     return scores

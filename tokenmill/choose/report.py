@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -17,6 +17,9 @@ from rich.text import Text
 
 from tokenmill.choose.results import DONE, CandidateResult, ChooseReport
 from tokenmill.choose.stats import basis_phrase, format_bar, format_quality, format_usd
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 COLUMNS_EXPLAINED = (
     "quality = the mean score over the sample rows with its 95% interval (Wilson for pass/fail scores, "
@@ -205,15 +208,21 @@ def write_reports(report: ChooseReport, out: Path) -> dict[str, Path]:
 
 
 def plot(report: ChooseReport, path: Path) -> Path:
+    """The `figure`, written as a PNG."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure(report).savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
+def figure(report: ChooseReport) -> Figure:
     """Quality (with its 95% interval) against the projected cost of the whole job, one point per
     finished candidate with a known cost; the bar, the Pareto front and the choice marked."""
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")  # files only: no display on servers
-    import matplotlib.pyplot as plt
-
+    # A bare Figure, not pyplot's: nothing global to switch (no display on servers) or to close.
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
     shown = [c for c in report.candidates if _plottable(c)]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
     if shown:
         _draw_points(ax, shown, report.verdict.chosen)
     else:
@@ -228,10 +237,7 @@ def plot(report: ChooseReport, path: Path) -> Path:
     footnote = _left_out(report)
     if footnote:
         fig.text(0.01, -0.02, footnote, fontsize=7, va="top", wrap=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return fig
 
 
 def _plottable(c: CandidateResult) -> bool:

@@ -31,22 +31,12 @@ from tokenmill.choose.sample import RUN_FOLDERS, JobRows, Sample, prepare_sample
 from tokenmill.choose.scorers import DEFAULT_SCORER, Score, make_scorer
 from tokenmill.choose.stats import decide, quality
 from tokenmill.cost import MILLION
-from tokenmill.jobs.backend_specs import build_backend
-from tokenmill.jobs.endpoint import EndpointBackend
-from tokenmill.jobs.guard import Footprint, OutputLock, refuse_inputs_in, with_temporaries
-from tokenmill.jobs.output import (
-    JobError,
-    JobFailed,
-    OutputPaths,
-    answer_of,
-    is_final,
-    repair_jsonl,
-    usage_of,
-    write_json_atomic,
-)
-from tokenmill.jobs.runner import run_job
-from tokenmill.jobs.spec import DocumentOptions, read_input
-from tokenmill.jobs.summary import JobOutcome, print_summary
+from tokenmill.jobs import JobError, JobFailed, JobOutcome, print_summary, run_job, say
+from tokenmill.jobs.backends import EndpointBackend, build_backend
+from tokenmill.jobs.input import DocumentOptions, read_input
+from tokenmill.jobs.journal import Footprint, OutputLock, OutputPaths, refuse_inputs_in, with_temporaries
+from tokenmill.jobs.results import answer_of, final_error_rows, result_rows, usage_of
+from tokenmill.jobs.storage import atomic_write_json
 
 CANDIDATES, CANDIDATE_FILE = "candidates", "candidate.json"
 
@@ -96,7 +86,7 @@ def _choose(config: ChooseConfig, console: Console) -> ChooseReport:
     eligible = _eligible(job, expected, config)
     scorer = None if config.judge else make_scorer(config.scorer, expected, config.schema)
     sample = prepare_sample(job, eligible, config.sample, config.seed, config.output, config.overwrite)
-    _say(console, f"{'reusing' if sample.reused else 'drew'} a sample of {len(sample.ids)} of {len(job.entries)} "
+    say(console, f"{'reusing' if sample.reused else 'drew'} a sample of {len(sample.ids)} of {len(job.entries)} "
                   f"rows (seed {config.seed}) → {sample.path}")
     results: list[CandidateResult] = []
     evidence: dict[str, TierEvidence] = {}  # each candidate's answers, for the cascades of them
@@ -154,9 +144,9 @@ def _run(candidate: Candidate, sample: Sample, config: ChooseConfig, console: Co
     result = CandidateResult(candidate.name, candidate.flags_text, candidate.price, rows=len(sample.ids))
     if (earlier := _finished_earlier(candidate, folder, sample.ids)) is not None:
         result.backend, result.model = earlier["backend"], earlier["model"]
-        _say(console, f"[{candidate.name}] finished in an earlier run: its {len(sample.ids)} rows are reused")
+        say(console, f"[{candidate.name}] finished in an earlier run: its {len(sample.ids)} rows are reused")
         return result
-    _say(console, f"\n[{candidate.name}] tokenmill run {candidate.flags_text}")
+    say(console, f"\n[{candidate.name}] tokenmill run {candidate.flags_text}")
     try:
         outcome = _run_job(candidate, sample, folder, config.progress, result, console)
     except JobFailed as exc:
@@ -170,7 +160,7 @@ def _run(candidate: Candidate, sample: Sample, config: ChooseConfig, console: Co
     if outcome.interrupted:  # Ctrl-C / SIGTERM: its rows so far are kept, a re-run resumes
         raise KeyboardInterrupt
     log_run(folder, outcome)
-    write_json_atomic(folder / CANDIDATE_FILE, {"flags": candidate.flags_text, "backend": result.backend,
+    atomic_write_json(folder / CANDIDATE_FILE, {"flags": candidate.flags_text, "backend": result.backend,
                                                 "model": result.model})
     return result
 
@@ -212,12 +202,10 @@ class Answer:
 
 def _read_answers(folder: Path, ids: list[str]) -> dict[str, Answer]:
     """Each sample row's answer or failure; rows with neither are left out (not done)."""
-    paths = OutputPaths.from_option(folder)
     answers: dict[str, Answer] = {}
-    for row in repair_jsonl(paths.errors)[0]:
-        if is_final(row):
-            answers[row["custom_id"]] = Answer(row["custom_id"], None, error=row["error"]["code"])
-    for row in repair_jsonl(paths.results)[0]:
+    for row in final_error_rows(folder):
+        answers[row["custom_id"]] = Answer(row["custom_id"], None, error=row["error"]["code"])
+    for row in result_rows(folder):
         body = row["response"]["body"]
         answers[row["custom_id"]] = Answer(row["custom_id"], answer_of(body) or "", body)
     return {i: answers[i] for i in ids if i in answers}
@@ -292,6 +280,3 @@ def _project(result: CandidateResult, job: JobRows, answered: list[str], timing:
     wall = projected_wall(timing, prompt, output)
     result.projected = Projection(rows, prompt, output, wall, result.price.cost(wall, prompt, output))
 
-
-def _say(console: Console, text: str) -> None:
-    console.print(text, markup=False, highlight=False, soft_wrap=True)

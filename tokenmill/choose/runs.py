@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tokenmill.jobs.summary import JobOutcome
+from tokenmill.jobs import JobOutcome
 
 RUNS_FILE = "runs.jsonl"
 

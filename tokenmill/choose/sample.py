@@ -14,9 +14,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenmill.jobs.output import JobError, write_json_atomic
-from tokenmill.jobs.spec import CsvLayout, DocumentOptions, Entry, read_input
-from tokenmill.jobs.subset import write_subset
+from tokenmill.jobs import JobError
+from tokenmill.jobs.input import CsvLayout, DocumentOptions, Entry, read_input, write_subset
+from tokenmill.jobs.storage import atomic_write_json
 
 SAMPLE_FILE, RECORD_FILE = "sample.jsonl", "choose.json"
 RUN_FOLDERS = ("candidates", "judge")  # what --overwrite clears (besides the two files above)
@@ -89,7 +89,7 @@ def prepare_sample(job: JobRows, eligible: list[str], size: int, seed: int, out:
                        "discard it and its candidates' runs")
     out.mkdir(parents=True, exist_ok=True)
     write_subset(job.path, job.format, job.entries, job.csv_layout, set(ids), path)
-    write_json_atomic(record_path, record)
+    atomic_write_json(record_path, record)
     return Sample(path, ids, reused=False)
 
 

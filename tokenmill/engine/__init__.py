@@ -17,11 +17,23 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the same names, for readers and type checkers
     from tokenmill.engine.config import EngineConfig
-    from tokenmill.engine.interface import ChecksBeforeTokenizing, EngineSpec, InProcessModel, StepEngine
+    from tokenmill.engine.interface import (
+        EngineCapabilities,
+        EngineRequest,
+        EngineSpec,
+        FinishReason,
+        InProcessModel,
+        RequestOutput,
+        RequestTimings,
+        SchedulerMetrics,
+        SchedulerStats,
+        StepEngine,
+        TokenLogprob,
+    )
     from tokenmill.engine.llm import DEFAULT_CHAT_TEMPLATE_KWARGS, LLM, chat_prompt_ids
-    from tokenmill.engine.llm_engine import EngineRequest, LLMEngine
-    from tokenmill.engine.outputs import RequestOutput
+    from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.engine.perplexity import Perplexity, perplexity
+    from tokenmill.engine.processor import InputProcessor
     from tokenmill.engine.prompt import Prompt, read_prompt
     from tokenmill.engine.sampling_params import (
         DEFAULT_MAX_TOKENS,
@@ -30,8 +42,6 @@ if TYPE_CHECKING:  # the same names, for readers and type checkers
         SamplingParams,
         StructuredOutputsParams,
     )
-    from tokenmill.engine.scheduler import SchedulerMetrics, SchedulerStats
-    from tokenmill.engine.sequence import RequestTimings, TokenLogprob
 
 # export -> the module of this package that defines it
 _EXPORTS = {
@@ -40,23 +50,25 @@ _EXPORTS = {
     "DEFAULT_TEMPERATURE": "sampling_params",
     "MAX_LOGPROBS": "sampling_params",
     "LLM": "llm",
-    "ChecksBeforeTokenizing": "interface",
+    "EngineCapabilities": "interface",
     "EngineConfig": "config",
     "EngineSpec": "interface",
-    "EngineRequest": "llm_engine",
+    "EngineRequest": "interface",
+    "FinishReason": "interface",
     "InProcessModel": "interface",
+    "InputProcessor": "processor",
     "LLMEngine": "llm_engine",
     "Perplexity": "perplexity",
     "Prompt": "prompt",
     "read_prompt": "prompt",
-    "RequestOutput": "outputs",
-    "RequestTimings": "sequence",
+    "RequestOutput": "interface",
+    "RequestTimings": "interface",
     "SamplingParams": "sampling_params",
-    "SchedulerMetrics": "scheduler",
-    "SchedulerStats": "scheduler",
+    "SchedulerMetrics": "interface",
+    "SchedulerStats": "interface",
     "StepEngine": "interface",
     "StructuredOutputsParams": "sampling_params",
-    "TokenLogprob": "sequence",
+    "TokenLogprob": "interface",
     "chat_prompt_ids": "llm",
     "perplexity": "perplexity",
 }
@@ -66,11 +78,13 @@ __all__ = [
     "DEFAULT_TEMPERATURE",
     "LLM",
     "MAX_LOGPROBS",
-    "ChecksBeforeTokenizing",
+    "EngineCapabilities",
     "EngineConfig",
     "EngineRequest",
     "EngineSpec",
+    "FinishReason",
     "InProcessModel",
+    "InputProcessor",
     "LLMEngine",
     "Perplexity",
     "Prompt",

@@ -20,7 +20,7 @@ from tokenmill.plan.price import FLAG_HELP as PRICE_HELP
 from tokenmill.plan.price import price_per_hour_arg
 
 if TYPE_CHECKING:
-    from tokenmill.engine.outputs import RequestOutput
+    from tokenmill.engine.interface import RequestOutput
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,28 +1,150 @@
-"""The interface jobs, the benchmark, the server and the OpenAI translation drive an in-process
-engine by, written down so that vLLM's engine (tokenmill/vllm_engine/) stands in for the embedded
-one and a type checker holds both to it.
+"""The contract between an in-process engine and the code that drives it (jobs, the benchmark, the
+server, the OpenAI translation), written down so that vLLM's engine (tokenmill/vllm_engine/) stands
+in for the embedded one and a type checker holds both to it.
 
 - `EngineSpec`: what to load (`EngineConfig`, `VllmConfig`); tokenmill/engines.py loads it into
   an `InProcessModel`.
 - `InProcessModel`: a loaded model: its `StepEngine`, its tokenizer, its chat template.
-- `StepEngine`: requests in, one step at a time, outputs out. Both engines implement all of it.
-- `ChecksBeforeTokenizing`: what only the embedded engine can do before a request is tokenized
-  (refuse a text prompt by its length, compile a structured output); vLLM does both when the
-  request is added, so callers ask `isinstance(engine, ChecksBeforeTokenizing)`.
+- `StepEngine`: requests in, one step at a time, outputs out. Both engines implement all of it,
+  and both process a request with the one `InputProcessor` (engine/processor.py).
+- What goes in and out: `EngineRequest` (processed, waiting to be added), `RequestOutput` with its
+  `FinishReason`, `RequestTimings` and `TokenLogprob`s, and the counters (`SchedulerStats`,
+  `SchedulerMetrics`).
+- `EngineCapabilities`: what one engine does that the other does not, declared by the engine for
+  callers to read.
 
-Only names are imported here (no torch): a command that never loads a model never pays for it.
+Nothing here imports torch, nor a module that does: a command that never loads a model never pays
+for it, and the engine's own modules build on these types (so this module imports none of them but
+the prompt forms and the sampling settings).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
-    from tokenmill.engine.llm_engine import EngineRequest
-    from tokenmill.engine.outputs import RequestOutput
     from tokenmill.engine.prompt import Prompt
     from tokenmill.engine.sampling_params import SamplingParams, StructuredOutputsParams
-    from tokenmill.engine.scheduler import SchedulerMetrics, SchedulerStats
+
+
+class FinishReason(StrEnum):
+    """Why a request ended; the value is what an OpenAI body's `finish_reason` says (and vLLM's)."""
+
+    STOP = "stop"  # an end-of-sequence token, a stop token or string, or a completed structured output
+    LENGTH = "length"  # max_tokens generated, or the context is full
+    ABORT = "abort"  # dropped by the caller (`abort_request`)
+    ERROR = "error"  # refused or failed inside the engine: the output's `error` says why
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request tokenized and checked by `StepEngine.process_request` (on any thread), waiting to be
+    added with `add_processed` on the thread that steps the engine. What only one engine needs (the
+    embedded engine's grammar matcher, its seed for an unseeded request) it derives when it adds it."""
+
+    request_id: str
+    prompt: str | None  # the prompt as text, where it came as text
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival: float  # time.monotonic() when processed: a wait before `add_processed` counts
+
+
+@dataclass
+class RequestTimings:
+    """Monotonic-clock timestamps (time.monotonic seconds) of one request's life."""
+
+    arrival: float
+    scheduled: float | None = None  # first time any of its tokens were scheduled
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability (natural log) and its `top` most likely alternatives,
+    as (token id, logprob) pairs, most likely first; the token itself may be among them. The
+    embedded engine's are before temperature, top-k and top-p, over the tokens a grammar allows
+    (see `Sampler`); vLLM's are from its raw logits."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class RequestOutput:
+    """What an engine hands back for a request: where it stands after a step, or how it ended."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None  # None while unfinished
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int | None  # None: the engine counts them only in all (vLLM: `stats()`)
+    timings: RequestTimings
+    finished: bool
+    error: str | None = None  # why the request was refused (FinishReason.ERROR)
+    # One per token of token_ids where SamplingParams.logprobs asked for them; None otherwise. A
+    # stop string cuts `text` but not `token_ids`, so these stay one per token, as in vLLM.
+    logprobs: list[TokenLogprob] | None = None
+
+    @classmethod
+    def refused(cls, request_id: str, reason: str) -> RequestOutput:
+        """The output of a request the engine would not take (too long, a bad value): no tokens."""
+        return cls(request_id, None, [], "", [], FinishReason.ERROR, None, 0, 0, 0,
+                   RequestTimings(time.monotonic()), True, error=reason)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerStats:
+    """Cumulative counters (tokens, not requests, for the prefix cache)."""
+
+    prefix_cache_queries: int = 0  # prompt tokens looked up at first admission
+    prefix_cache_hits: int = 0  # of which served from the cache
+    num_preemptions: int = 0
+    num_steps: int = 0
+    prefill_tokens: int = 0  # tokens computed that were already known (prompt or recompute)
+    decode_tokens: int = 0  # tokens computed that came from the previous sample
+
+
+@dataclass
+class SchedulerMetrics:
+    """A point-in-time view for progress bars, metrics endpoints and benchmarks."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    stats: SchedulerStats
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine does beyond the contract both keep, declared by the engine so that callers
+    read it instead of probing the engine's type."""
+
+    # Compiles a structured output for this model before any request carries it: ValueError
+    # ("structured_outputs.<kind>: why") where it does not compile, so a job or the server refuses
+    # it up front naming the body field. None where the engine compiles it only when the request is
+    # submitted (vLLM), and one that does not compile comes back as that request's output with
+    # FinishReason.ERROR.
+    check_structured_outputs: Callable[[StructuredOutputsParams], None] | None = None
 
 
 class StepEngine(Protocol):
@@ -30,6 +152,11 @@ class StepEngine(Protocol):
     model: str | None  # the model it was asked to load (None: the embedded default)
     max_model_len: int  # as resolved from the model and the settings
     max_num_seqs: int  # the largest running batch it was built for
+    capabilities: EngineCapabilities
+
+    def check_prompt_chars(self, num_chars: int) -> None:
+        """ValueError for a text prompt of this many characters that cannot fit the context, said
+        without tokenizing it (see `InputProcessor.max_prompt_chars`)."""
 
     def process_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                         priority: int = 0) -> EngineRequest:
@@ -47,7 +174,7 @@ class StepEngine(Protocol):
         """One step: the outputs of every request that advanced (or was refused) in it."""
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Drop a request; its last output with finish_reason "abort" (None: not known here)."""
+        """Drop a request; its last output with FinishReason.ABORT (None: not known here)."""
 
     def has_started(self, request_id: str) -> bool: ...
 
@@ -67,15 +194,6 @@ class StepEngine(Protocol):
 
     def close(self) -> None:
         """Free what it holds now (vLLM's engine process) rather than at garbage collection."""
-
-
-@runtime_checkable
-class ChecksBeforeTokenizing(Protocol):
-    def check_prompt_chars(self, num_chars: int) -> None:
-        """ValueError for a text prompt of this many characters that cannot fit the context."""
-
-    def check_structured_outputs(self, structured_outputs: StructuredOutputsParams) -> None:
-        """ValueError naming the setting when it does not compile for this model."""
 
 
 class InProcessModel(Protocol):

@@ -10,8 +10,8 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.llm_engine import EngineRequest, LLMEngine
-from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.interface import EngineRequest, RequestOutput
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.prompt import Prompt
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.models.loader import LoadedWeights
@@ -60,7 +60,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. Every request is validated before any runs; one the
         engine refuses (longer than the context or the KV cache, a token id outside the vocabulary)
-        gets an output with finish_reason "error" and the reason in `error`, and the others run.
+        gets an output with FinishReason.ERROR and the reason in `error`, and the others run.
         `raise_on_error`: raise that ValueError instead, before anything runs."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)

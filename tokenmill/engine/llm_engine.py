@@ -7,7 +7,6 @@ import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,12 +14,22 @@ import torch
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.interface import (
+    EngineCapabilities,
+    EngineRequest,
+    FinishReason,
+    RequestOutput,
+    RequestTimings,
+    SchedulerMetrics,
+    SchedulerStats,
+    TokenLogprob,
+)
 from tokenmill.engine.model_runner import ModelRunner
-from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.prompt import Prompt, read_prompt
+from tokenmill.engine.processor import InputProcessor
+from tokenmill.engine.prompt import Prompt
 from tokenmill.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from tokenmill.engine.scheduler import Scheduler, SchedulerMetrics, SchedulerStats
-from tokenmill.engine.sequence import RequestTimings, Sequence, TokenLogprob
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.sequence import Sequence
 from tokenmill.engine.structured_outputs import GrammarCompiler
 from tokenmill.models import kernels, quant
 from tokenmill.models.build import build_model, free_memory, weight_bytes
@@ -28,22 +37,6 @@ from tokenmill.models.config import ModelConfig
 from tokenmill.models.loader import LoadedWeights, load_weights
 
 log = logging.getLogger(__name__)
-
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    """A request validated and tokenized by `LLMEngine.process_request`, which may run on any
-    thread, waiting to be added with `add_processed` on the thread that owns the engine."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    seed: int
-    arrival: float  # time.monotonic() when processed: a wait before `add_processed` counts
-    matcher: Any = None  # a fresh llguidance.LLMatcher for params.structured_outputs
 
 
 class LLMEngine:
@@ -70,9 +63,12 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.eos_token_ids = self._eos_token_ids()
-        self.max_prompt_chars = self._max_prompt_chars()
+        self.processor = InputProcessor(self.tokenizer, self.max_model_len, self.model_config.vocab_size)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                                         config.grammar_compile_timeout_s)
+        # The compiler's method, not this engine's: a bound method of the engine would make a
+        # reference cycle, and the engine (its weights, its KV cache) must go with its last reference.
+        self.capabilities = EngineCapabilities(check_structured_outputs=self.grammars.check)
         self.runner = ModelRunner(
             model, num_blocks, config.block_size, self.eos_token_ids, self.device,
             paged_kernel=self._kernel_wanted("decode_attention", fallback="sdpa", reads_kv=True),
@@ -158,45 +154,18 @@ class LLMEngine:
             ids.append(tok_eos)
         return ids
 
-    def _max_prompt_chars(self) -> int | None:
-        """Characters beyond which a text surely has more tokens than the context holds, so a huge
-        prompt is refused before tokenizing it (seconds per megabyte, holding a thread): no token
-        covers more characters than the longest vocabulary entry. Twice that, for normalizers that
-        merge characters (NFC); None without a tokenizer."""
-        if self.tokenizer is None:
-            return None
-        longest = max((len(token) for token in self.tokenizer.get_vocab()), default=1)
-        return 2 * longest * self.max_model_len
-
     # ---- requests -------------------------------------------------------------------------
     def check_prompt_chars(self, num_chars: int) -> None:
-        """Refuse a text prompt of `num_chars` characters that cannot fit the context, without
-        tokenizing it (see `max_prompt_chars`). Raises ValueError."""
-        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
-            raise ValueError(
-                f"prompt has {num_chars:,} characters: more than a context of {self.max_model_len:,} tokens can "
-                f"hold with this tokenizer (at most {self.max_prompt_chars:,} characters), so it was refused "
-                "without tokenizing it"
-            )
+        self.processor.check_prompt_chars(num_chars)
 
     def check_structured_outputs(self, structured_outputs: StructuredOutputsParams) -> None:
         """Compile the setting (once per distinct setting; `process_request` reuses it). Raises
         ValueError("structured_outputs.<kind>: why") for a schema, regex or grammar that does not
         compile, or not within `grammar_compile_timeout_s`."""
-        self.grammars.matcher(structured_outputs)
+        self.grammars.check(structured_outputs)
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
-
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        text, ids = read_prompt(prompt)
-        if ids is not None:
-            return text, ids
-        assert text is not None
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompt_token_ids")
-        self.check_prompt_chars(len(text))
-        return text, list(self.tokenizer.encode(text))
 
     def process_request(
         self,
@@ -205,39 +174,21 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> EngineRequest:
-        """Validate and tokenize; raises ValueError naming the problem and changes no state.
-
-        Safe off the engine's thread when `params.seed` is set (otherwise a seed is drawn from
-        the engine's own generator)."""
+        """Validate and tokenize (`InputProcessor`), then what only this engine checks: the KV cache
+        holds the request, its structured output compiles. Raises ValueError naming the problem and
+        changes no state: safe off the engine's thread."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else self.new_request_id()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self.tokenize(prompt)
-        self._check_prompt(ids, params)
-        so = params.structured_outputs
-        matcher = None if so is None else self.grammars.matcher(so)
-        seed = params.seed
-        if seed is None:
-            seed = int(torch.randint(2**62, (1,), generator=self._seeds))
-        return EngineRequest(request_id, text, ids, params, priority, seed, time.monotonic(), matcher)
+        request = self.processor.process(prompt, params, request_id, priority)
+        self._check_kv_cache_holds(request)
+        if params.structured_outputs is not None:
+            self.check_structured_outputs(params.structured_outputs)  # refused here, not when added
+        return request
 
-    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise ValueError("prompt is empty (0 tokens)")
-        if len(ids) >= self.max_model_len:  # before the vocabulary scan: a huge list is refused at once
-            raise ValueError(
-                f"prompt has {len(ids):,} tokens but the context is {self.max_model_len:,} tokens "
-                "(at least one must be left to generate)"
-            )
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab})")
-        most_tokens = min(len(ids) + params.max_tokens, self.max_model_len)
+    def _check_kv_cache_holds(self, request: EngineRequest) -> None:
+        most_tokens = min(len(request.prompt_token_ids) + request.params.max_tokens, self.max_model_len)
         needed = self.block_manager.blocks_for_tokens(most_tokens)
         if needed > self.block_manager.num_blocks:
             raise ValueError(
@@ -257,12 +208,20 @@ class LLMEngine:
         return self.add_processed(self.process_request(prompt, params, request_id, priority))
 
     def add_processed(self, request: EngineRequest) -> str:
+        """Queue a processed request. Its grammar matcher is a fresh copy of the compile that
+        `process_request` cached; an unseeded request's seed is drawn here, from the engine's own
+        generator, on the one thread that steps the engine."""
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        so = request.params.structured_outputs
+        matcher = None if so is None else self.grammars.matcher(so)
+        seed = request.params.seed
+        if seed is None:
+            seed = int(torch.randint(2**62, (1,), generator=self._seeds))
         seq = Sequence(
             request.request_id, request.prompt_token_ids, request.params, prompt=request.prompt,
-            priority=request.priority, generator=torch.Generator().manual_seed(request.seed),
-            timings=RequestTimings(request.arrival), matcher=request.matcher,
+            priority=request.priority, generator=torch.Generator().manual_seed(seed),
+            timings=RequestTimings(request.arrival), matcher=matcher,
         )
         self._requests[seq.request_id] = (seq, IncrementalDetokenizer(self.tokenizer))
         self.scheduler.add(seq)
@@ -272,7 +231,7 @@ class LLMEngine:
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return None
-        self.scheduler.finish(entry[0], "abort")
+        self.scheduler.finish(entry[0], FinishReason.ABORT)
         return self._output(entry[0])
 
     def has_started(self, request_id: str) -> bool:
@@ -356,24 +315,24 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
 
-    def _stop_reason(self, seq: Sequence, token: int, old_text_len: int) -> str | None:
+    def _stop_reason(self, seq: Sequence, token: int, old_text_len: int) -> FinishReason | None:
         p = seq.params
         if seq.matcher is not None:
             if not seq.matcher.consume_token(token):  # the mask allowed it: this would be a bug
                 seq.error = f"structured_outputs: the grammar refused token {token}: {seq.matcher.get_error()}"
-                return "error"
+                return FinishReason.ERROR
             if seq.matcher.is_stopped():  # complete: nothing but the end may follow
-                return "stop"
+                return FinishReason.STOP
         if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
-                return "stop"
+                return FinishReason.STOP
             if token in p.stop_token_ids:
                 seq.stop_reason = token
-                return "stop"
+                return FinishReason.STOP
             if p.stop and self._truncate_at_stop_string(seq, old_text_len):
-                return "stop"
+                return FinishReason.STOP
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
     @staticmethod

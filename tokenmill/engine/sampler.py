@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.sequence import Sequence, TokenLogprob
+from tokenmill.engine.interface import TokenLogprob
+from tokenmill.engine.sequence import Sequence
 from tokenmill.engine.structured_outputs import allowed_tokens_bitmask, apply_bitmask
 
 

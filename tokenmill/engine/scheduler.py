@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.interface import FinishReason, SchedulerMetrics, SchedulerStats
 from tokenmill.engine.sequence import Sequence, SequenceStatus
 
 
@@ -40,28 +41,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-@dataclass
-class SchedulerStats:
-    """Cumulative counters (tokens, not requests, for the prefix cache)."""
-
-    prefix_cache_queries: int = 0  # prompt tokens looked up at first admission
-    prefix_cache_hits: int = 0  # of which served from the cache
-    num_preemptions: int = 0
-    num_steps: int = 0
-    prefill_tokens: int = 0  # tokens computed that were already known (prompt or recompute)
-    decode_tokens: int = 0  # tokens computed that came from the previous sample
-
-
-@dataclass
-class SchedulerMetrics:
-    """A point-in-time view for progress bars, metrics endpoints and benchmarks."""
-
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    stats: SchedulerStats
 
 
 class Scheduler:
@@ -231,7 +210,7 @@ class Scheduler:
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_full_blocks(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.timings.finished = time.monotonic()

@@ -12,9 +12,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.engine.interface import FinishReason, RequestTimings, TokenLogprob
 from tokenmill.engine.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # an annotation only: RequestOutput (outputs.py) is read where no torch is loaded
+if TYPE_CHECKING:  # an annotation only: the scheduler and the block manager run without torch
     import torch
 
 
@@ -22,33 +23,6 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class RequestTimings:
-    """Monotonic-clock timestamps (time.monotonic seconds) of one request's life."""
-
-    arrival: float
-    scheduled: float | None = None  # first time any of its tokens were scheduled
-    first_token: float | None = None
-    finished: float | None = None
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.arrival
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One generated token's log-probability (natural log) and its `top` most likely alternatives,
-    as (token id, logprob) pairs, most likely first; the token itself may be among them. The
-    embedded engine's are before temperature, top-k and top-p, over the tokens a grammar allows
-    (see `Sampler`); vLLM's are from its raw logits. Defined here beside `RequestTimings`: a
-    Sequence carries both into its RequestOutput, and outputs.py must not import torch."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -66,13 +40,13 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     num_registered_blocks: int = 0  # leading blocks already entered into the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     output_text: str = ""
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     matcher: Any = None  # llguidance.LLMatcher of a structured-output request: the tokens it allows next
-    error: str | None = None  # why it finished with "error"
+    error: str | None = None  # why it finished with FinishReason.ERROR
     # One entry per output token, where params.logprobs asks for them (None otherwise). Kept across
     # preemption like the tokens themselves: a recompute samples only tokens not yet generated.
     logprobs: list[TokenLogprob] | None = None

@@ -263,6 +263,10 @@ class GrammarCompiler:
             raise ValueError(compiled)
         return compiled.deep_copy()
 
+    def check(self, so: StructuredOutputsParams) -> None:
+        """Compile `so` now (`matcher` then copies the compile); the ValueError of `matcher`."""
+        self.matcher(so)
+
     def _compile(self, so: StructuredOutputsParams) -> llguidance.LLMatcher | str:
         """The pristine matcher, or the error message."""
         tokenizer = self.ll_tokenizer()

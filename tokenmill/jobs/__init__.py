@@ -1,7 +1,16 @@
-"""`tokenmill run`: crash-safe batch jobs, JSONL in and OpenAI batch output out (see docs/jobs.md)."""
+"""`tokenmill run`: crash-safe batch jobs, JSONL in and OpenAI batch output out (docs/jobs.md).
+
+Layers, each importing only those before it (docs/layout.md): `storage` and `errors` (where
+files are; what stops a job) → `input/` (reading the input) → `journal/` (the job's files) →
+`backends/` (what serves the requests) → the job itself (`config`, `work`, `runner`, `summary`,
+`progress`, `flags`, `cli`). Other packages use what this module, `input`, `journal`,
+`backends`, `results`, `flags` and `storage` export, never the modules behind them.
+"""
 
 from tokenmill.jobs.config import JobConfig
+from tokenmill.jobs.errors import ExitCode, JobError, JobFailed
+from tokenmill.jobs.progress import say
 from tokenmill.jobs.runner import run_job
-from tokenmill.jobs.spec import BatchRequest, DocumentOptions
+from tokenmill.jobs.summary import JobOutcome, print_summary
 
-__all__ = ["BatchRequest", "DocumentOptions", "JobConfig", "run_job"]
+__all__ = ["ExitCode", "JobConfig", "JobError", "JobFailed", "JobOutcome", "print_summary", "run_job", "say"]

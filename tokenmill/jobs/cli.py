@@ -10,21 +10,20 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from tokenmill.environment import PathError
+from tokenmill.jobs.errors import ExitCode, JobError, JobFailed
 from tokenmill.jobs.flags import add_arguments, parse_job
-from tokenmill.jobs.output import JobError, JobFailed
+from tokenmill.jobs.progress import say
 
 if TYPE_CHECKING:
     from tokenmill.jobs.summary import JobOutcome
 
 __all__ = ["add_arguments", "run"]
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
-EXIT_JOB_FAILED = 3  # started, then could not go on (Ray stalled, endpoint down past --retry-for); re-run resumes
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenmill.jobs.backend import BackendUnavailable
-    from tokenmill.jobs.backend_specs import build_backend
+    from tokenmill.jobs.backends.base import BackendUnavailable
+    from tokenmill.jobs.backends.build import build_backend
     from tokenmill.jobs.runner import run_job
     from tokenmill.jobs.summary import print_summary
 
@@ -35,20 +34,18 @@ def run(args: argparse.Namespace) -> int:
         outcome = run_job(job, build_backend(spec), console)
     except JobFailed as exc:
         print(f"tokenmill run: {exc}", file=sys.stderr)
-        return EXIT_JOB_FAILED
-    except (JobError, BackendUnavailable, PathError) as exc:
+        return ExitCode.JOB_FAILED
+    # FileNotFoundError: an input that is not there (an object store's: local ones are checked first)
+    except (JobError, BackendUnavailable, PathError, FileNotFoundError) as exc:
         print(f"tokenmill run: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except FileNotFoundError as exc:  # an input that is not there (an object store's: local ones are checked first)
-        print(f"tokenmill run: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     except OSError as exc:  # mid-job: a full disk, a folder gone or made read-only under the job
         print(f"tokenmill run: stopped: {_os_error(exc)}. The results so far are kept: make room (or fix the "
               "folder) and re-run the same command to resume", file=sys.stderr)
-        return EXIT_JOB_FAILED
+        return ExitCode.JOB_FAILED
     except KeyboardInterrupt:  # before the work started (validation); nothing to resume yet
         print("tokenmill run: interrupted before any request ran", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return ExitCode.INTERRUPTED
     print_summary(outcome, Console())
     return finish(outcome, console)
 
@@ -57,16 +54,16 @@ def finish(outcome: JobOutcome, console: Console) -> int:
     """What the user does next, and the exit code."""
     req = outcome.requests
     if outcome.interrupted:
-        _say(console, f"interrupted: {req.not_done} request(s) not done. Re-run the same command to resume; "
+        say(console, f"interrupted: {req.not_done} request(s) not done. Re-run the same command to resume; "
                       f"the {req.done} result(s) so far are kept in {outcome.results_path}")
-        return EXIT_INTERRUPTED
+        return ExitCode.INTERRUPTED
     if req.retryable:
-        _say(console, f"{req.retryable} request(s) failed after retries (rate limits, server errors, "
+        say(console, f"{req.retryable} request(s) failed after retries (rate limits, server errors, "
                       "timeouts); re-run the same command to try them again")
     if req.failed:
-        _say(console, f"{req.failed} request(s) failed: see {outcome.errors_path}")
-        return EXIT_FAILED
-    return EXIT_OK
+        say(console, f"{req.failed} request(s) failed: see {outcome.errors_path}")
+        return ExitCode.FAILED
+    return ExitCode.OK
 
 
 def _os_error(exc: OSError) -> str:
@@ -74,6 +71,3 @@ def _os_error(exc: OSError) -> str:
     reason = (exc.strerror or str(exc)).lower()
     return f"cannot write {exc.filename}: {reason}" if exc.filename else reason
 
-
-def _say(console: Console, text: str) -> None:
-    console.print(text, markup=False, highlight=False, soft_wrap=True)

@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.jobs import storage
-from tokenmill.jobs.spec import DocumentOptions
+from tokenmill.jobs.input.request import DocumentOptions
+from tokenmill.jobs.journal.parts import PART_ROWS, OutputLayout
 from tokenmill.jobs.storage import Location
 
 ORDERS = ("input", "length-buckets")
 OUTPUT_FORMATS = ("jsonl", "parquet")
-PART_ROWS = 100_000  # result rows per committed part (parts.py): what a lost machine can cost at most
 
 
 @dataclass
@@ -71,9 +71,8 @@ class JobConfig:
             storage.check_output(self.spool_dir, "--spool-dir")
 
     @property
-    def writes_parts(self) -> bool:
-        """Results sealed into committed parts (parts.py): a URL output, or parquet."""
-        return storage.is_url(self.output) or self.output_format == "parquet"
+    def layout(self) -> OutputLayout:
+        return OutputLayout(self.output, self.errors, self.output_format, self.part_rows, self.spool_dir)
 
     def output_fingerprint(self) -> dict[str, Any]:
         """The output settings that change the files (only when set: older jobs still resume)."""

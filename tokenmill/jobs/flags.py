@@ -17,10 +17,12 @@ from tokenmill.engine.args import (
     structured_outputs_from_args,
 )
 from tokenmill.environment import CLIENT_API_KEY_ENV, NAMED_MODELS, client_api_key, readable_file
-from tokenmill.jobs.config import ORDERS, OUTPUT_FORMATS, PART_ROWS, JobConfig
-from tokenmill.jobs.output import JobError
-from tokenmill.jobs.ray_runner import RayOptions, RaySpec
-from tokenmill.jobs.spec import FORMATS, ID_COLUMNS, PROMPT_COLUMNS, DocumentOptions
+from tokenmill.jobs.backends.ray import RayOptions, RaySpec
+from tokenmill.jobs.config import ORDERS, OUTPUT_FORMATS, JobConfig
+from tokenmill.jobs.errors import JobError
+from tokenmill.jobs.input.reader import FORMATS, ID_COLUMNS, PROMPT_COLUMNS
+from tokenmill.jobs.input.request import DocumentOptions
+from tokenmill.jobs.journal.parts import PART_ROWS
 from tokenmill.jobs.storage import Location, location
 from tokenmill.openai_compat import structured_outputs_body
 from tokenmill.plan.price import FLAG_HELP as PRICE_HELP
@@ -28,8 +30,8 @@ from tokenmill.plan.price import price_per_hour_arg
 from tokenmill.vllm_engine.args import add_engine_choice, engine_spec
 
 if TYPE_CHECKING:
-    from tokenmill.jobs.backend_specs import BackendSpec
-    from tokenmill.jobs.batch_api import BatchApiSpec
+    from tokenmill.jobs.backends.batch_api import BatchApiSpec
+    from tokenmill.jobs.backends.build import BackendSpec
 
 BATCH_API_ONLY_FLAGS = {"--poll-interval": "poll_interval", "--max-requests-per-part": "max_requests_per_part",
                         "--max-bytes-per-part": "max_bytes_per_part"}
@@ -200,8 +202,9 @@ def _structured_outputs(args: argparse.Namespace) -> dict[str, Any] | None:
 def backend_spec(args: argparse.Namespace) -> BackendSpec:
     """The backend the flags ask for: the embedded engine, vLLM's, an endpoint, or Ray replicas of
     any of them. ValueError naming the flag for a combination that cannot be."""
-    from tokenmill.jobs.endpoint import EndpointSpec, RetryPolicy
-    from tokenmill.jobs.rate_limit import RateLimit
+    from tokenmill.jobs.backends.endpoint import EndpointSpec
+    from tokenmill.jobs.backends.http import RetryPolicy
+    from tokenmill.jobs.backends.rate_limit import RateLimit
 
     if args.batch_api or any(getattr(args, dest) is not None for dest in BATCH_API_ONLY_FLAGS.values()):
         return batch_api_spec(args)
@@ -252,7 +255,7 @@ def _looks_like_hub_id(model: str) -> bool:
 
 def batch_api_spec(args: argparse.Namespace) -> BatchApiSpec:
     """--endpoint URL --batch-api: the job goes through the server's Batch API."""
-    from tokenmill.jobs.batch_api import BatchApiSpec
+    from tokenmill.jobs.backends.batch_api import BatchApiSpec
 
     given = [name for name, dest in BATCH_API_ONLY_FLAGS.items() if getattr(args, dest) is not None]
     if not args.batch_api:

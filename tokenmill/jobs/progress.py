@@ -59,3 +59,8 @@ class JobProgress:
         speed = self._completion_tokens / max(now - self._start, 1e-9)
         self._bar.update(self._task, advance=self._pending, speed=f"{speed:,.1f} out tok/s")
         self._pending, self._updated = 0, now
+
+
+def say(console: Console, text: str) -> None:
+    """A line for the user, printed as written (no rich markup: paths and ids hold brackets)."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)

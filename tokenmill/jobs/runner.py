@@ -19,16 +19,21 @@ from contextlib import contextmanager
 
 from rich.console import Console
 
-from tokenmill.jobs import output
-from tokenmill.jobs.backend import Backend, BackendStats, KeepsState, ResultSink, StopFlag
+from tokenmill.jobs.backends.base import Backend, BackendStats, KeepsState, ResultSink, StopFlag
 from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.guard import OutputLock, refuse_inputs_in
-from tokenmill.jobs.output import JobError, JsonlAppender, OutputPaths, OutputState
-from tokenmill.jobs.parts import JobOutput
-from tokenmill.jobs.progress import JobProgress
-from tokenmill.jobs.spec import Entry, InputStream, count_records, input_identity
+from tokenmill.jobs.errors import JobError
+from tokenmill.jobs.input.reader import InputStream, count_records, input_identity
+from tokenmill.jobs.input.request import Entry
+from tokenmill.jobs.journal.guard import OutputLock, refuse_inputs_in
+from tokenmill.jobs.journal.identity import job_record
+from tokenmill.jobs.journal.parts import JobOutput
+from tokenmill.jobs.journal.paths import OutputPaths
+from tokenmill.jobs.journal.state import OutputState
+from tokenmill.jobs.journal.writers import JsonlAppender
+from tokenmill.jobs.progress import JobProgress, say
+from tokenmill.jobs.storage import atomic_write_json
 from tokenmill.jobs.summary import JobOutcome, build_summary
-from tokenmill.jobs.work import JobWork, check_every_line, say
+from tokenmill.jobs.work import JobWork, check_every_line
 
 
 @contextmanager
@@ -67,7 +72,7 @@ def run_job(
     `console`: where progress goes (stderr by default; the server passes a quiet one). `stop`: set
     by the caller to stop the job from another thread (the server's Batch API)."""
     console = console or Console(stderr=True)
-    files = JobOutput(config, say=lambda text: say(console, text))
+    files = JobOutput(config.layout, say=lambda text: say(console, text))
     refuse_inputs_in(files.footprint(), {"the input": config.input})
     stream = InputStream(config.input, config.options, config.input_format, backend.check)
     if not stream.has_records():
@@ -85,7 +90,7 @@ def _run_locked(
     paths = files.paths  # the local journal: the output folder, or a URL output's spool
     settings = {"format": stream.format, "backend": backend.kind, "model": backend.model,
                 **config.options.fingerprint(), **config.output_fingerprint()}
-    job = output.job_record(config.input, input_identity(config.input), settings)
+    job = job_record(config.input, input_identity(config.input), settings)
     resumed = files.claim(job, config.overwrite)
     state = files.scan()
     if isinstance(backend, KeepsState):
@@ -131,7 +136,7 @@ def _run_locked(
         work.counts.records = max(stream.records, total.count or 0)
     outcome = build_summary(config, paths, work.counts, state, sink, stats, wall, backend, interrupted=stop.requested)
     outcome.results_path, outcome.errors_path = files.results_location, files.errors_location
-    output.write_json_atomic(paths.summary, outcome.to_json())
+    atomic_write_json(paths.summary, outcome.to_json())
     files.publish(paths.summary)
     return outcome
 

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import urlparse
 
 from tokenmill.environment import readable_file, writable_file, writable_folder
@@ -248,3 +249,28 @@ def fsync(path: Path) -> None:
     """Make a local file's bytes durable (before a rename, or before a copy counts as committed)."""
     with path.open("rb") as f:
         os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def replacing(path: Path) -> Iterator[BinaryIO]:
+    """Write a file whole or not at all: to `path`.tmp, which on success is synced and renamed over
+    `path` (a crash, or an exception in the block, leaves the old file as it was)."""
+    tmp = path.with_name(path.name + ".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with tmp.open("wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    with replacing(path) as f:
+        f.write(data)
+
+
+def atomic_write_json(path: Path, doc: dict[str, Any]) -> None:
+    atomic_write(path, (json.dumps(doc, indent=2) + "\n").encode())

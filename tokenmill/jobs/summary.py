@@ -19,9 +19,10 @@ from rich.console import Console
 from rich.table import Table
 
 from tokenmill.cost import millions_per_usd, usd_for, usd_per_million
-from tokenmill.jobs.backend import Backend, BackendStats, ResultSink
+from tokenmill.jobs.backends.base import Backend, BackendStats, ResultSink
 from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.output import OutputPaths, OutputState
+from tokenmill.jobs.journal.paths import OutputPaths
+from tokenmill.jobs.journal.state import OutputState
 from tokenmill.jobs.work import InputCounts
 
 

@@ -13,9 +13,13 @@ from dataclasses import dataclass
 
 from rich.console import Console
 
-from tokenmill.jobs import output
-from tokenmill.jobs.output import JobError, OutputState, RowWriter
-from tokenmill.jobs.spec import BatchRequest, DoneLines, Entry, InputError, InputStream, read_input
+from tokenmill.jobs.errors import JobError
+from tokenmill.jobs.input.reader import DoneLines, InputStream, read_input
+from tokenmill.jobs.input.request import BatchRequest, Entry, InputError
+from tokenmill.jobs.journal.rows import input_error_row
+from tokenmill.jobs.journal.state import OutputState
+from tokenmill.jobs.journal.writers import RowWriter
+from tokenmill.jobs.progress import say
 
 MAX_LISTED_ERRORS = 20
 
@@ -29,7 +33,7 @@ class InputCounts:
     structured: int = 0  # good lines read (not skipped as done) asking for a structured output
     max_tokens_defaulted: int = 0  # … giving no max_tokens
     failed_before: int = 0  # good lines with a final error from an earlier run
-    done_unindexed: int = 0  # good lines done by a tokenmill that kept no index
+    done_unindexed: int = 0  # good lines done in rows the done-index does not describe (OutputState.unindexed)
     structured_cut_unindexed: int = 0  # … asking for a structured output that max_tokens ended
     read_to_end: bool = False
 
@@ -92,7 +96,7 @@ class JobWork:
         self.counts.invalid += 1
         if error.line in self.state.invalid_lines:
             return  # recorded by an earlier run
-        self.errors.write(output.input_error_row(error))
+        self.errors.write(input_error_row(error))
         self.advance()
         if self.counts.invalid <= MAX_LISTED_ERRORS:
             say(self.console, f"bad line → errors file: {error.message}")
@@ -113,6 +117,3 @@ def check_every_line(stream: InputStream) -> None:
             + (f"\n  … and {more} more" if more > 0 else "")
         )
 
-
-def say(console: Console, text: str) -> None:
-    console.print(text, markup=False, highlight=False, soft_wrap=True)

@@ -1,5 +1,6 @@
-"""Loaded weights → a model ready to run on a device (projections fused, RoPE tables made, linear
-layers packed for the CPU kernels), and how much memory is left there to size caches with."""
+"""Loaded weights → a model ready to run on a device (the C kernels behind its modules where they run,
+projections fused, RoPE tables made, linear layers packed for the CPU kernels), and how much memory
+is left there to size caches with."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import os
 
 import torch
 
+from tokenmill.models import kernels
 from tokenmill.models.decoder import CausalLM, fuse_projections
+from tokenmill.models.fused import FusedCausalLM
 from tokenmill.models.huge_pages import move_to_huge_pages
 from tokenmill.models.loader import LoadedWeights
 from tokenmill.models.moe import stack_experts
@@ -32,12 +35,13 @@ def build_model(
     small_batch_kernel: bool = False,
     weight_format: str = "fp32",
 ) -> CausalLM:
-    """`batch_hint`: the most tokens one forward will see (oneDNN packs for it);
+    """The C kernels run where they can (fused.py), chosen here, once, by device and dtype.
+    `batch_hint`: the most tokens one forward will see (oneDNN packs for it);
     `small_batch_kernel`: also keep the weights in the small-batch kernel's layout;
     `weight_format` (models/quant.py WEIGHT_FORMATS): which fp32 linear weights to quantise (the
     loader already kept a GGUF's quantised ones as they are)."""
     with torch.device("meta"):
-        model = CausalLM(weights.config)
+        model = FusedCausalLM(weights.config) if kernels.supports(device, dtype) else CausalLM(weights.config)
     source = {k: v for k, v in language_model_weights(weights).items() if "rotary_emb" not in k}
     tensors = {k: v.to(dtype) for k, v in source.items() if isinstance(v, torch.Tensor)}
     blocks = {k: v for k, v in source.items() if isinstance(v, Quantized)}  # a GGUF's: never MoE experts

@@ -4,10 +4,13 @@ the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE (experts from moe.py).
 
 Read top to bottom: the step's tokens arrive flattened (no batch padding in the linear
 layers); each layer writes its new K/V into cache slots, then attends per request group
-(attention_metadata.py: what the runner builds for a step): decodes and prompt spans with C
-kernels that read the paged cache in place (paged_attention.py), or, where those do not run, over
-K/V gathered from the cache by block table, with SDPA and a mask. Parameter names match Hugging
-Face's, so a safetensors checkpoint loads as is.
+(attention_metadata.py: what the runner builds for a step) over K/V gathered from the cache by
+block table, with SDPA and a mask. Parameter names match Hugging Face's, so a safetensors
+checkpoint loads as is.
+
+This file is the math, in PyTorch ops only. Where the C kernels run, build.py builds fused.py's
+FusedCausalLM instead: these modules with kernels behind some of their steps (norms, RoPE, the
+gate, attention read from the paged cache in place, a decode step's layers in one call).
 """
 
 from __future__ import annotations
@@ -19,12 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.models import kernels
 from tokenmill.models.attention_metadata import AttentionGroup, AttentionMetadata, narrow_to_window
 from tokenmill.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
-from tokenmill.models.decode_stack import DecodeStack
 from tokenmill.models.moe import SparseMoE
-from tokenmill.models.paged_attention import paged_decode_attention, paged_prefill_attention
 from tokenmill.models.quant import Quantized, QuantizedLinear, Weight, concatenate, quantize
 
 # Prefill queries attended at a time (Attention._attend_in_chunks): smaller leaves out more of the
@@ -47,8 +47,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            if kernels.supports(x.device, x.dtype):
-                return rms_norm_kernel(x, self.weight, self.eps, 1.0 if self.unit_offset else 0.0)
             scale = 1.0 + self.weight if self.unit_offset else self.weight
             return F.rms_norm(x, (x.shape[-1],), scale, self.eps)
         xf = x.float()
@@ -56,43 +54,6 @@ class RMSNorm(nn.Module):
         if self.unit_offset:  # Gemma scales in fp32, then casts
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)  # Llama casts, then scales
-
-
-def rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
-    """csrc/rms_norm.c: one pass per row, where torch's CPU rms_norm runs five ops."""
-    lib = kernels.library()
-    assert lib is not None
-    x = x.contiguous()
-    y = torch.empty_like(x)
-    lib.rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, offset,
-                 torch.get_num_threads())
-    return y
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """apply_rope, in place with csrc/activations.c where it runs (x's rows may be strided: a
-    view of the fused qkv output)."""
-    tokens, heads, head_dim = x.shape
-    in_place = x.stride(2) == 1 and x.stride(1) == head_dim and cos.is_contiguous()
-    if not (in_place and kernels.supports(x.device, x.dtype)):
-        return apply_rope(x, cos, sin)
-    lib = kernels.library()
-    assert lib is not None
-    sin = sin.contiguous()
-    lib.rope_inplace(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, cos.shape[-1],
-                     x.stride(0), torch.get_num_threads())
-    return x
-
-
-def gated_activation_kernel(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """csrc/activations.c: act(gate) · up from the fused projection's output, in one pass."""
-    lib = kernels.library()
-    assert lib is not None
-    rows, width = gate_up.numel() // gate_up.shape[-1], gate_up.shape[-1] // 2
-    out = gate_up.new_empty(*gate_up.shape[:-1], width)
-    lib.gated_activation(gate_up.data_ptr(), out.data_ptr(), rows, width, kernels.GATED_ACTIVATIONS[activation],
-                         torch.get_num_threads())
-    return out
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -143,31 +104,30 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
         # q and k heads sit side by side: rotate them in one go.
-        q, k = rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = self.rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
         k_cache, v_cache = kv_cache  # [blocks, block_size, kv_heads, head_dim], maybe narrower than q
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         if len(meta.groups) == 1 and meta.groups[0].covers_batch:  # skip the scatter
-            return self.o_proj(self._attend(q, k_cache, v_cache, meta.groups[0]).reshape(tokens, -1))
+            return self.o_proj(self.attend(q, k_cache, v_cache, meta.groups[0]).reshape(tokens, -1))
         out = torch.empty_like(q)
         for g in meta.groups:
-            if g.mask is None and g.query_index.shape[1] > 1:  # prompt spans, for the C kernel
-                paged_prefill_attention(q, out, k_cache, v_cache, g.query_index[:, 0], g.num_new, g.context_lens,
-                                        g.context_blocks, self.sliding_window)
-            else:
-                out[g.output_rows] = self._attend(q, k_cache, v_cache, g)
+            self.attend_into(out, q, k_cache, v_cache, g)
         return self.o_proj(out.view(tokens, -1))
 
-    def _attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttentionGroup
-    ) -> torch.Tensor:
-        if g.mask is None:  # decodes, straight from the paged cache
-            rows = q if g.covers_batch else q[g.output_rows]
-            return paged_decode_attention(
-                rows, k_cache, v_cache, g.context_blocks, g.context_lens, self.sliding_window
-            )
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rope(x, cos, sin)
+
+    def attend_into(
+        self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttentionGroup
+    ) -> None:
+        """Writes group g's rows of `out`."""
+        out[g.output_rows] = self.attend(q, k_cache, v_cache, g)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+        """Group g's attention output, by SDPA over the K/V blocks of its block table."""
         n, lq = g.query_index.shape
         kvh, grp, d = self.num_kv_heads, self.group, self.head_dim
         # Fold the query heads that share a KV head into the query length: GQA without
@@ -180,7 +140,7 @@ class Attention(nn.Module):
         vg = v_cache.index_select(0, blocks).to(q.dtype).view(n, -1, kvh, d).transpose(1, 2)
         # A window the group's mask does not carry has its own, narrowed one.
         mask = g.window_masks.get(self.sliding_window, g.mask) if self.sliding_window else g.mask
-        assert mask is not None
+        assert mask is not None, "a group without a mask is for the paged kernels (fused.FusedAttention)"
         if lq <= QUERY_CHUNK:
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask)
         else:
@@ -227,12 +187,12 @@ class MLP(nn.Module):
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        fused = gate_up.is_contiguous() and gate_up.shape[-1] % 16 == 0
-        if fused and kernels.supports(gate_up.device, gate_up.dtype):
-            return self.down_proj(gated_activation_kernel(gate_up, self.activation))
+        return self.down_proj(self.gated(self.gate_up_proj(x)))
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) · up, from the fused projection's output."""
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.act(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -328,26 +288,6 @@ class CausalLM(nn.Module):
         # Layer windows the runner's masks do not carry (it applies cfg.sliding_window only).
         windows = {cfg.layer_window(i) for i in range(cfg.num_hidden_layers)}
         self.narrowed_windows = sorted(w for w in windows - {cfg.sliding_window} if w is not None)
-        # Decode steps run every layer in one C call where the layers allow (decode_stack.py);
-        # False keeps the layer-by-layer path (the tests compare the two).
-        self.use_decode_stack = True
-        self._decode_stack: DecodeStack | None = None
-        self._decode_stack_built = False
-
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        super()._apply(fn, recurse)
-        self._decode_stack_built = False  # the stack holds the buffers' addresses: built again
-        return self
-
-    def decode_stack(self, meta: AttentionMetadata) -> DecodeStack | None:
-        """The C stack when this step is decodes only, attended by the paged kernel."""
-        g = meta.groups[0]
-        if not (self.use_decode_stack and len(meta.groups) == 1 and g.covers_batch and g.mask is None):
-            return None
-        if not self._decode_stack_built:
-            self._decode_stack = DecodeStack.build(list(self.model.layers), self.rope_cos.shape[-1])
-            self._decode_stack_built = True
-        return self._decode_stack
 
     def init_rope(self, max_positions: int) -> None:
         """cos/sin tables for every position (built after weights load: they are not weights)."""
@@ -378,19 +318,25 @@ class CausalLM(nn.Module):
         rope = self._rope("rope", positions, x.dtype)
         local_rope = self._rope("rope_local", positions, x.dtype) if self.config.rope_local_theta is not None else rope
         self._add_window_masks(meta)
-        stack = self.decode_stack(meta) if x.dtype == torch.float32 else None
-        if stack is not None:
-            g = meta.groups[0]
-            x = stack(x.contiguous(), rope, local_rope, kv_caches, meta.slot_mapping, g.context_blocks, g.context_lens)
-        else:
-            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-                cos, sin = local_rope if layer.local_rope else rope
-                x = layer(x, cos, sin, kv_cache, meta)
+        x = self.run_layers(x, rope, local_rope, kv_caches, meta)
         hidden = self.model.norm(x[logits_rows])
         head = self.lm_head
         if logits_out is not None and isinstance(head, QuantizedLinear) and logits_out.shape[1] == head.out_features:
             return head(hidden, out=logits_out[: len(logits_rows)])
         return head(hidden).float()
+
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        local_rope: tuple[torch.Tensor, torch.Tensor],  # the local layers' (the same where none has one)
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            cos, sin = local_rope if layer.local_rope else rope
+            x = layer(x, cos, sin, kv_cache, meta)
+        return x
 
     def _rope(self, name: str, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"{name}_cos")[positions].to(dtype), getattr(self, f"{name}_sin")[positions].to(dtype)

@@ -15,18 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenmill.gguf_header import GGUFHeader, read_gguf_header
+from tokenmill.formats.gguf_config import ROPE_FREQS, gguf_config
+from tokenmill.formats.gguf_header import GGUFHeader, read_gguf_header
+from tokenmill.formats.safetensors_header import safetensors_header
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.decoder import FUSED_PROJECTIONS
-from tokenmill.models.gguf_file import ROPE_FREQS, gguf_config, hf_tensor_name, refuse_unrunnable
-from tokenmill.models.loader import (
-    check_folder,
-    looks_like_hub_id,
-    model_path,
-    read_config,
-    safetensors_header,
-    weight_files,
-)
+from tokenmill.models.gguf_file import hf_tensor_name, refuse_unrunnable
+from tokenmill.models.loader import check_folder, looks_like_hub_id, model_path, read_config, weight_files
 from tokenmill.models.quant import held_as, target_bits
 
 # The KV cache dtypes whose size per token is reported.

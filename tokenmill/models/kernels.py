@@ -30,7 +30,9 @@ _HEADERS = sorted((Path(__file__).with_name("csrc")).glob("*.h"))
 # -march=native: the build is cached per CPU (the key includes the CPU flags below).
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {
+# Each exported kernel's arguments (every one returns an int status), as csrc/ declares them: checked against
+# the C prototypes by tests/models/test_kernel_signatures.py.
+SIGNATURES = {
     "paged_decode_attention": [_P] * 6 + [_I] * 6 + [_F, _I64, _I, _I],
     "paged_prefill_attention": [_P, _I64, _P, _I64] + [_P] * 6 + [_I] * 6 + [_F, _I64, _I, _I],
     "small_gemm": [_P] * 4 + [_I] * 4,
@@ -113,7 +115,7 @@ def _load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("CPU kernels unavailable (%s): using PyTorch fallbacks", detail)
         return None
-    for name, argtypes in _SIGNATURES.items():
+    for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return lib

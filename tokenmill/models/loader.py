@@ -9,7 +9,6 @@ import hashlib
 import json
 import logging
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 
 from tokenmill.environment import NAMED_MODELS, cache_root, embedded_model_path, named_model_path
+from tokenmill.formats.safetensors_header import safetensors_header
 from tokenmill.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from tokenmill.models.gguf_file import read_gguf
 from tokenmill.models.quant import Quantized, Weight
@@ -196,21 +196,6 @@ def _refuse_quantised_tensors(files: list[Path]) -> None:
                 raise ValueError(f"{file}: quantised checkpoint ({method}: tensor {name!r} is {dtype}); {_RUNS}")
             if dtype not in _FLOAT_DTYPES and name.endswith("weight"):  # GPTQ/AWQ qweight too
                 raise ValueError(f"{file}: quantised checkpoint (integer weights: tensor {name!r} is {dtype}); {_RUNS}")
-
-
-def safetensors_header(file: Path) -> dict[str, dict[str, Any]]:
-    """Each tensor's entry (dtype, shape, data_offsets) from the file's JSON header (an 8-byte
-    length, then the JSON): no tensor data is read."""
-    try:
-        with file.open("rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        tensors = {name: info for name, info in header.items() if name != "__metadata__"}
-        if not all(isinstance(info, dict) and "dtype" in info for info in tensors.values()):
-            raise ValueError("a tensor entry has no dtype")
-        return tensors
-    except (struct.error, ValueError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{file}: not a safetensors file ({exc!r})") from exc
 
 
 def _read_tensors(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """tokenmill.plan: throughput, batch-size and cost ceilings from first principles.
 
-Depends only on tokenmill.cost and tokenmill.environment (no torch). Pure functions over frozen dataclasses:
-``load_model`` -> ModelSpec, ``get_hardware`` -> HardwareSpec, ``make_plan`` -> Plan.
+Depends only on tokenmill.cost, tokenmill.environment and tokenmill.formats (no torch). Pure functions
+over frozen dataclasses: ``load_model`` -> ModelSpec, ``get_hardware`` -> HardwareSpec, ``make_plan`` -> Plan.
 """
 
 from .catalog import CATALOG, get_hardware

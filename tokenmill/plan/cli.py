@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--study", action="store_true", help="check the published batch study")
     add("--markdown", action="store_true", help="with --study: print Markdown (for the docs)")
     add("--study-file", metavar="PATH",
-        help="the study Markdown (default: ../shared/reference/batch-study.md from the repo)")
+        help="the study Markdown (default: the copy shipped with tokenmill)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,12 +8,13 @@ the tests instead of silently skewing every plan.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from tokenmill.environment import embedded_model_path
-from tokenmill.gguf_header import GGUFHeader, TensorInfo, read_gguf_header
+from tokenmill.formats.gguf_config import gguf_config
+from tokenmill.formats.gguf_header import GGUFHeader, TensorInfo, read_gguf_header
 
 from .dtypes import WeightWidths
 from .errors import PlanError
@@ -176,10 +177,16 @@ def attention_flops_per_context_token(m: ModelSpec, phase: str) -> int:
 # --- Hugging Face config.json -------------------------------------------------------------
 
 
+def _widest(value: Any) -> Any:
+    """A size given per layer (a GGUF's head_count_kv may be): plan for the widest layer."""
+    return max(value) if isinstance(value, list) else value
+
+
 def _need(cfg: dict[str, Any], key: str, source: str) -> int:
-    if cfg.get(key) is None:
+    value = _widest(cfg.get(key))
+    if value is None:
         raise PlanError("model", f"{source}: config has no {key!r}")
-    return int(cfg[key])
+    return int(value)
 
 
 def _default_dtype(cfg: dict[str, Any]) -> str:
@@ -195,24 +202,29 @@ def _default_dtype(cfg: dict[str, Any]) -> str:
     return {"float16": "fp16", "float32": "fp32"}.get(torch_dtype, "bf16")
 
 
-def _moe_from_hf(cfg: dict[str, Any], num_layers: int) -> MoESpec | None:
+def _moe_from_hf(cfg: dict[str, Any], num_layers: int, source: str) -> MoESpec | None:
     num_experts = cfg.get("num_local_experts") or cfg.get("n_routed_experts") or cfg.get(
         "num_experts")
     if not num_experts:
         return None
     model_type = cfg.get("model_type", "")
     expert_ffn = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
-    shared, shared_ffn = 0, 0
-    if cfg.get("n_shared_experts"):  # DeepSeek: n shared experts of the routed size
-        shared, shared_ffn = int(cfg["n_shared_experts"]), expert_ffn
-    elif cfg.get("shared_expert_intermediate_size"):  # Qwen-MoE: one wide shared expert
-        shared, shared_ffn = 1, int(cfg["shared_expert_intermediate_size"])
-    elif model_type.startswith("llama4"):  # Llama 4: one shared expert, routed size
+    # Shared experts: DeepSeek counts them (each of the routed size), Qwen-MoE gives its one
+    # expert's width, a GGUF may give both; Llama 4 has one of the routed size.
+    shared = int(cfg.get("n_shared_experts") or 0)
+    shared_ffn = int(cfg.get("shared_expert_intermediate_size") or 0)
+    if shared_ffn and not shared:
+        shared = 1
+    elif shared and not shared_ffn:
+        shared_ffn = expert_ffn
+    elif not shared and model_type.startswith("llama4"):
         shared, shared_ffn = 1, expert_ffn
     first_dense = int(cfg.get("first_k_dense_replace") or 0)
     step = int(cfg.get("interleave_moe_layer_step") or cfg.get("moe_layer_freq") or 1)
-    n_moe = (num_layers - first_dense) // step
-    return MoESpec(num_experts=int(num_experts), top_k=int(cfg["num_experts_per_tok"]),
+    dense = set(cfg.get("mlp_only_layers") or [])  # by number (Qwen-MoE, and a GGUF's layers without experts)
+    n_moe = sum((layer - first_dense + 1) % step == 0 and layer not in dense
+                for layer in range(first_dense, num_layers))
+    return MoESpec(num_experts=int(num_experts), top_k=_need(cfg, "num_experts_per_tok", source),
                    expert_ffn=expert_ffn, num_moe_layers=n_moe,
                    num_shared_experts=shared, shared_ffn=shared_ffn)
 
@@ -235,16 +247,16 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str, source: str = "") -> Mod
     model_type = str(cfg.get("model_type", ""))
     return ModelSpec(
         name=name, num_layers=layers, hidden_size=hidden, num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or (mla.qk_nope_head_dim + mla.qk_rope_head_dim
-                                             if mla else hidden // heads)),
+        num_kv_heads=int(_widest(cfg.get("num_key_value_heads")) or heads),
+        head_dim=int(_widest(cfg.get("head_dim")) or (mla.qk_nope_head_dim + mla.qk_rope_head_dim
+                                                      if mla else hidden // heads)),
         ffn_size=int(cfg.get("intermediate_size_mlp") or _need(cfg, "intermediate_size", source)),
         vocab_size=_need(cfg, "vocab_size", source),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias")) or model_type.startswith("qwen2"),
-        moe=_moe_from_hf(cfg, layers), mla=mla,
+        moe=_moe_from_hf(cfg, layers, source), mla=mla,
         default_weight_dtype=_default_dtype(cfg),
-        max_context=cfg.get("max_position_embeddings"), source=source,
+        max_context=cfg.get("max_position_embeddings") or None, source=source,
     )
 
 
@@ -260,15 +272,6 @@ def read_hf_config(path: Path) -> ModelSpec:
 
 
 # --- GGUF ---------------------------------------------------------------------------------
-
-
-def _gguf_int(meta: dict[str, Any], key: str, path: Path, default: int | None = None) -> int:
-    value = meta.get(key, default)
-    if isinstance(value, list):  # per-layer values (e.g. head_count_kv): plan for the widest
-        value = max(value)
-    if value is None:
-        raise PlanError("model", f"{path}: GGUF metadata has no {key!r}")
-    return int(value)
 
 
 def _read_gguf_header(path: Path) -> GGUFHeader:
@@ -299,46 +302,17 @@ def _native_widths(header: GGUFHeader) -> WeightWidths:
 
 
 def spec_from_gguf(path: Path) -> ModelSpec:
-    """Build a ModelSpec from a GGUF file's metadata; layer structure is checked on the tensors.
-
-    The real stored bytes of each tensor give ``native_widths``.
-    """
+    """Build a ModelSpec from a GGUF file's header: its metadata read as the loader reads it
+    (formats.gguf_config), then as any config.json; the real stored bytes of each tensor give
+    ``native_widths``."""
     header = _read_gguf_header(path)
-    meta, names = header.metadata, set(header.tensors)
-    arch = str(meta.get("general.architecture", "llama"))
-
-    def get(key: str, default: int | None = None) -> int:
-        return _gguf_int(meta, f"{arch}.{key}", path, default)
-
-    layers, hidden, heads = get("block_count"), get("embedding_length"), get("attention.head_count")
-    embd = header.tensors.get("token_embd.weight")
-    vocab = get("vocab_size", int(embd.shape[-1]) if embd else None)
-    n_moe = sum(f"blk.{i}.ffn_up_exps.weight" in names for i in range(layers))
-    moe = None
-    if n_moe:
-        expert_ffn = get("expert_feed_forward_length")
-        n_shared = get("expert_shared_count", 1 if "blk.0.ffn_up_shexp.weight" in names else 0)
-        moe = MoESpec(num_experts=get("expert_count"), top_k=get("expert_used_count"),
-                      expert_ffn=expert_ffn, num_moe_layers=n_moe, num_shared_experts=n_shared,
-                      shared_ffn=get("expert_shared_feed_forward_length", expert_ffn))
-    mla = None
-    if meta.get(f"{arch}.attention.kv_lora_rank"):
-        rope = get("rope.dimension_count")
-        mla = MLASpec(q_lora_rank=get("attention.q_lora_rank", 0),
-                      kv_lora_rank=get("attention.kv_lora_rank"),
-                      qk_nope_head_dim=get("attention.key_length") - rope,
-                      qk_rope_head_dim=rope, v_head_dim=get("attention.value_length"))
-    return ModelSpec(
-        name=str(meta.get("general.name") or path.stem), num_layers=layers, hidden_size=hidden,
-        num_heads=heads, num_kv_heads=get("attention.head_count_kv", heads),
-        head_dim=get("attention.key_length", hidden // heads),
-        ffn_size=get("feed_forward_length"), vocab_size=vocab,
-        tie_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names, moe=moe, mla=mla,
-        default_weight_dtype="native",
-        native_widths=_native_widths(header),
-        max_context=get("context_length", 0) or None, source=str(path),
-    )
+    try:
+        cfg = gguf_config(header)
+    except (KeyError, TypeError, ValueError) as exc:  # metadata of the wrong kind
+        raise PlanError("model", f"{path}: GGUF metadata not understood ({exc!r})") from None
+    name = str(header.metadata.get("general.name") or path.stem)
+    spec = spec_from_hf_config(cfg, name=name, source=str(path))
+    return replace(spec, default_weight_dtype="native", native_widths=_native_widths(header))
 
 
 # --- presets ------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Check the published batch study (shared/reference/batch-study.md) against the ceilings.
+"""Check the published batch study (batch-study.md, shipped beside this module) against the ceilings.
 
 The reference file is parsed at run time (it is the outside world's claim, not ours), every
 figure keeps the rounding its printed digits imply, and each measured number is compared with
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from importlib.resources import files
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from tokenmill.cost import usd_per_hour, usd_per_million
@@ -27,7 +29,8 @@ from .roofline import (
     min_batch_for,
 )
 
-DEFAULT_STUDY = Path(__file__).resolve().parents[2].parent / "shared/reference/batch-study.md"
+# Package data (pyproject.toml), so an installed tokenmill has it as a checkout does.
+DEFAULT_STUDY: Traversable = files("tokenmill.plan") / "batch-study.md"
 IMPLIED_HARDWARE = ("h100-sxm", "h200", "b200")  # tried in this order
 IMPLIED_COUNTS = (1, 2, 4, 8)  # one node at most
 
@@ -142,8 +145,8 @@ def parse_study(text: str) -> Study:
 
 
 def load_study(path: str | Path | None = None) -> Study:
-    """Parse the study at ``path`` (default: the shared reference copy beside the repo)."""
-    where = Path(path) if path else DEFAULT_STUDY
+    """Parse the study at ``path`` (default: the copy shipped with the package)."""
+    where: Traversable = Path(path) if path else DEFAULT_STUDY
     hint = "" if path else " (give the study's Markdown file with --study-file PATH)"
     try:
         text = where.read_text(encoding="utf-8")

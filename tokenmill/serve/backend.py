@@ -17,15 +17,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.engine import EngineRequest, InProcessModel, RequestOutput
-from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
-from tokenmill.jobs.spec import BatchRequest
+from tokenmill.engine import EngineRequest, FinishReason, InProcessModel, RequestOutput
+from tokenmill.jobs.backends import BackendStats, ResultSink, StopFlag
+from tokenmill.jobs.input import BatchRequest
+from tokenmill.jobs.results import ErrorCode
 from tokenmill.openai_compat import (
+    LiveRequest,
     OpenAIRequest,
     RequestError,
     check_structured_outputs,
     engine_inputs,
-    parse_request,
     response_body,
     token_decoder,
 )
@@ -47,7 +48,7 @@ SHORT_PROMPT_CHARS = 32_768  # ~8k tokens: tens of milliseconds to tokenize
 
 @dataclass
 class Prepared:
-    request: BatchRequest
+    request: BatchRequest | LiveRequest
     engine_request: EngineRequest
 
 
@@ -87,7 +88,7 @@ class ServingBackend:
         self._tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenmill-tokenize")
         self._short_tokenizers = ThreadPoolExecutor(SHORT_PROMPT_THREADS, thread_name_prefix="tokenmill-tokenize-short")
 
-    def check(self, request: BatchRequest, parsed: OpenAIRequest | None = None) -> None:
+    def check(self, request: BatchRequest | LiveRequest, parsed: OpenAIRequest | None = None) -> None:
         """A Batch API line (`request.parsed`: its fields were checked as it was read), or a live
         request's body as `prepare` parsed it. Raises RequestError, whatever goes wrong."""
         with _refused_alone(request):
@@ -115,21 +116,21 @@ class ServingBackend:
         parsed.params.max_tokens = min(parsed.params.max_tokens, limit)
 
     # ---- one request ----------------------------------------------------------------------------
-    def prepare(self, request: BatchRequest, priority: int = LIVE_PRIORITY,
+    def prepare(self, request: BatchRequest | LiveRequest, priority: int = LIVE_PRIORITY,
                 parsed: OpenAIRequest | None = None) -> Prepared:
         """Validate and tokenize; raises ValueError (a 400) naming the problem. Touches no engine state.
         (A text prompt far too long for the context is refused by its length, before tokenizing: the
         engine checks it in `chat_token_ids` and `process_request`.) `parsed`: a Batch API line's
         body as its reading parsed it; a live body is parsed here, every field checked, once."""
         with _refused_alone(request):
-            parsed = parsed or parse_request(request.url, request.body)
+            parsed = parsed or request.parsed
             self.check(request, parsed)
             prompt, params = engine_inputs(parsed, self.llm)
             if params.seed is None:  # drawn here: the engine's own seed generator belongs to its thread
                 params.seed = random.getrandbits(62)
             return Prepared(request, self.llm.engine.process_request(prompt, params, request.custom_id, priority))
 
-    async def prepare_off_loop(self, request: BatchRequest) -> Prepared:
+    async def prepare_off_loop(self, request: LiveRequest) -> Prepared:
         """`prepare` for a live request, on a tokenizer thread of its lane (see TOKENIZER_THREADS)."""
         short = prompt_chars(request.body) <= SHORT_PROMPT_CHARS
         lane = self._short_tokenizers if short else self._tokenizers
@@ -174,8 +175,8 @@ class ServingBackend:
                 continue
             inflight.pop(self._request_id(request), None)
             if isinstance(out, Exception):
-                sink.error(request, "server_error", f"engine failure: {out}")
-            elif out.finish_reason != "abort":
+                sink.error(request, ErrorCode.SERVER_ERROR, f"engine failure: {out}")
+            elif out.finish_reason != FinishReason.ABORT:
                 sink.result(request, response_body(request.url, out, self.model, token_text=self._token_text))
         return BackendStats()  # the engine is shared: per-job prefill/decode times mean nothing here
 
@@ -186,7 +187,7 @@ class ServingBackend:
         try:
             prepared = self.prepare(keyed, BATCH_PRIORITY, request.parsed)
         except ValueError as exc:  # e.g. longer than the context: final, like the embedded backend
-            sink.error(request, "invalid_request", str(exc))
+            sink.error(request, ErrorCode.INVALID_REQUEST, str(exc))
             return
 
         def finished(out: RequestOutput | Exception) -> None:
@@ -201,7 +202,7 @@ class ServingBackend:
 
 
 @contextmanager
-def _refused_alone(request: BatchRequest) -> Iterator[None]:
+def _refused_alone(request: BatchRequest | LiveRequest) -> Iterator[None]:
     """Whatever checking or tokenizing one request raises is that request's refusal (a RequestError:
     a 400 live, its error row in a batch), never a 500 or the whole batch failed: a body no check
     foresaw is still only that body's problem. Logged with its traceback, since no check caught it."""

@@ -28,11 +28,12 @@ from typing import Any, BinaryIO
 
 from rich.console import Console
 
-from tokenmill.jobs.backend import StopFlag
-from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.output import JobError, JsonlAppender, error_row, usage_of, write_json_atomic
-from tokenmill.jobs.runner import run_job
-from tokenmill.jobs.spec import DocumentOptions, InputFile, LineError, json_object_line, read_input
+from tokenmill.jobs import JobConfig, JobError, run_job
+from tokenmill.jobs.backends import StopFlag
+from tokenmill.jobs.input import DocumentOptions, InputFile, LineError, json_object_line, read_input
+from tokenmill.jobs.journal import JsonlAppender, OutputPaths
+from tokenmill.jobs.results import error_row, usage_of
+from tokenmill.jobs.storage import atomic_write_json
 from tokenmill.openai_compat import (
     BATCH_ID_PREFIX,
     FILE_ID_PREFIX,
@@ -150,7 +151,7 @@ class FileStore:
         obj = {"id": file_id, "object": "file", "bytes": path.stat().st_size, "created_at": now,
                "expires_at": None if expires_after is None else now + expires_after,
                "filename": filename, "purpose": purpose, "status": "processed", "_path": str(path)}
-        write_json_atomic(self.root / f"{file_id}.json", obj)
+        atomic_write_json(self.root / f"{file_id}.json", obj)
         return obj
 
 
@@ -374,25 +375,27 @@ class BatchManager:
         completed, failed = self._count_rows(batch_id)
         expiry = (obj["output_expires_after"] or {}).get("seconds")
         ids = {}
-        outputs = (("output_file_id", "results.jsonl", completed), ("error_file_id", "errors.jsonl", failed))
-        for key, name, rows in outputs:
+        job = OutputPaths.from_option(out_dir)
+        outputs = (("output_file_id", job.results, completed), ("error_file_id", job.errors, failed))
+        for key, path, rows in outputs:
             if rows:
-                ids[key] = self.files.create(b"", f"{batch_id}_{name}", "batch_output", out_dir / name,
+                ids[key] = self.files.create(b"", f"{batch_id}_{path.name}", "batch_output", path,
                                              expires_after=expiry)["id"]
         counts = {"total": spec.num_lines, "completed": completed, "failed": failed}
-        self._update(batch_id, request_counts=counts, usage=_usage(out_dir / "results.jsonl"), **ids, **final)
+        self._update(batch_id, request_counts=counts, usage=_usage(job.results), **ids, **final)
 
     def _expire_unfinished(self, out_dir: Path, spec: InputFile) -> int:
         """Give every request that has no row yet an expired error row; returns how many requests
         expired, counting those an earlier try wrote before the server stopped."""
         done, expired = set(), 0
-        for name in ("results.jsonl", "errors.jsonl"):
-            for row in _rows(out_dir / name):
+        job = OutputPaths.from_option(out_dir)
+        for path in job.data_files:
+            for row in _rows(path):
                 done.add(row.get("custom_id"))
                 expired += (row.get("error") or {}).get("code") == EXPIRED_CODE
         unfinished = [entry.custom_id for entry in spec.entries if entry.custom_id not in done]
         if unfinished:
-            errors = JsonlAppender(out_dir / "errors.jsonl")
+            errors = JsonlAppender(job.errors)
             try:
                 for custom_id in unfinished:
                     errors.write(_expired_row(custom_id))
@@ -411,10 +414,10 @@ class BatchManager:
         self._update(batch_id, status="failed", failed_at=self._now(), errors={"object": "list", "data": errors})
 
     def _count_rows(self, batch_id: str) -> tuple[int, int]:
-        def rows(name: str) -> int:
-            path = self.root / batch_id / name
+        def rows(path: Path) -> int:
             return path.read_bytes().count(b"\n") if path.exists() else 0
-        return rows("results.jsonl"), rows("errors.jsonl")
+        job = OutputPaths.from_option(self.root / batch_id)
+        return rows(job.results), rows(job.errors)
 
     def _update(self, batch_id: str, **fields: Any) -> dict[str, Any]:
         with self._lock:
@@ -424,7 +427,7 @@ class BatchManager:
             return obj
 
     def _save(self, obj: dict[str, Any]) -> None:
-        write_json_atomic(self.root / f"{obj['id']}.json", obj)
+        atomic_write_json(self.root / f"{obj['id']}.json", obj)
 
     def _all(self) -> list[dict[str, Any]]:
         return [json.loads(p.read_text()) for p in self.root.glob("*.json")]

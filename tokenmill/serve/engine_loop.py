@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tokenmill.engine import EngineRequest, RequestOutput, SchedulerMetrics, StepEngine
+from tokenmill.engine import EngineRequest, FinishReason, RequestOutput, SchedulerMetrics, StepEngine
 from tokenmill.serve.metrics import ServeMetrics
 
 log = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ class EngineLoop:
     def _finished(self, out: RequestOutput) -> None:
         m = self.metrics
         m.prompt_tokens.inc(out.num_prompt_tokens)
-        m.requests_finished.labels(finish_reason=out.finish_reason or "abort").inc()
+        m.requests_finished.labels(finish_reason=out.finish_reason or FinishReason.ABORT).inc()
         m.e2e_latency.observe(time.monotonic() - out.timings.arrival)
 
     def _snapshot(self) -> None:

@@ -74,8 +74,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def from_value_error(exc: ValueError) -> APIError:
     """A refused body (openai_compat.RequestError names its field) or prompt (the engine's)."""
     message = str(exc)
+    if isinstance(exc, RequestError):
+        return bad_request(message, param=exc.param, code=exc.code)
     code = "context_length_exceeded" if "context" in message and "tokens" in message else None
-    return bad_request(message, param=exc.param if isinstance(exc, RequestError) else None, code=code)
+    return bad_request(message, code=code)
 
 
 def install_handlers(app: FastAPI) -> None:

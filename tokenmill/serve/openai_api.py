@@ -12,20 +12,18 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, WithJsonSchema, create_model
 from starlette.types import Receive, Scope, Send
 
 from tokenmill.engine import RequestOutput
-from tokenmill.jobs.spec import BatchRequest
 from tokenmill.openai_compat import (
     CHAT_URL,
     COMPLETIONS_URL,
-    MAX_STOP_SEQUENCES,
-    MAX_TEMPERATURE,
-    SEED_RANGE,
+    LiveRequest,
     RequestError,
     check_text,
     new_response_id,
+    sampling_fields,
     usage,
 )
 from tokenmill.serve.backend import Prepared, RequestStream
@@ -68,20 +66,9 @@ class StructuredOutputs(BaseModel):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")  # other fields reach the backend's checks, which check
-    # logprobs and top_logprobs, refuse what would change the answer (tools, logit_bias, ...) and
-    # ignore the rest (user, metadata, ...)
-    # strict: a string "5" or `true` is refused, not coerced; the ranges are openai_compat's, which
-    # checks them again for batch lines (and the rest of the fields)
+    model_config = ConfigDict(extra="allow")  # other fields reach the backend's checks, which refuse
+    # what would change the answer (tools, logit_bias, ...) and ignore the rest (user, metadata, ...)
     model: str
-    max_tokens: int | None = Field(None, strict=True, ge=1)
-    max_completion_tokens: int | None = Field(None, strict=True, ge=1)
-    temperature: float | None = Field(None, strict=True, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
-    top_p: float | None = Field(None, strict=True, gt=0, le=1, allow_inf_nan=False)
-    # lt 2**64, not le 2**64 - 1: the schema writes bounds as floats, and 2**64 - 1 reads as 2**64
-    seed: int | None = Field(None, strict=True, ge=SEED_RANGE[0], lt=SEED_RANGE[1] + 1)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
-    n: int = Field(1, strict=True)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # A structured output (openai_compat.STRUCTURED_OUTPUTS_FIELDS), at most one of: OpenAI's field,
@@ -94,7 +81,7 @@ class _Body(BaseModel):
     guided_grammar: str | None = Field(None, strict=True, min_length=1)
 
 
-class CompletionBody(_Body):
+class _CompletionFields(_Body):
     # StrictInt: `true` is no token id (as in a batch line), not token 1
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
 
@@ -105,8 +92,20 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]]
 
 
-class ChatBody(_Body):
+class _ChatFields(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
+
+
+def _with_sampling_fields(name: str, base: type[_Body], url: str) -> Any:
+    """`base` with the endpoint's sampling fields (openai_compat.SAMPLING_FIELDS): described in
+    the schema as the table writes them, and checked once, by the table's checks, as a batch line
+    is, with the same messages (so not here: a value of any type reaches them)."""
+    fields: dict[str, Any] = {f.name: (Annotated[Any, WithJsonSchema(f.schema)], None) for f in sampling_fields(url)}
+    return create_model(name, __base__=base, **fields)
+
+
+CompletionBody = _with_sampling_fields("CompletionBody", _CompletionFields, COMPLETIONS_URL)
+ChatBody = _with_sampling_fields("ChatBody", _ChatFields, CHAT_URL)
 
 
 # Handled here (streaming), or OpenAI fields that do not change the answer.
@@ -117,16 +116,15 @@ def router(state: ServeState) -> APIRouter:
     api = APIRouter()
 
     @api.post("/v1/completions")
-    async def completions(body: CompletionBody, request: Request) -> Any:
+    async def completions(body: CompletionBody, request: Request) -> Any:  # type: ignore[valid-type]
         data = _engine_fields(body)
         data["prompt"] = _one_prompt(body.prompt)
-        return await _serve(state, request, body, BatchRequest(0, new_response_id(COMPLETIONS_URL),
-                                                                COMPLETIONS_URL, data))
+        return await _serve(state, request, body, LiveRequest(new_response_id(COMPLETIONS_URL), COMPLETIONS_URL, data))
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody, request: Request) -> Any:
-        return await _serve(state, request, body, BatchRequest(0, new_response_id(CHAT_URL), CHAT_URL,
-                                                                _engine_fields(body)))
+    async def chat_completions(body: ChatBody, request: Request) -> Any:  # type: ignore[valid-type]
+        live = LiveRequest(new_response_id(CHAT_URL), CHAT_URL, _engine_fields(body))
+        return await _serve(state, request, body, live)
 
     return api
 
@@ -153,7 +151,7 @@ def _one_prompt(prompt: Any) -> Any:
     return prompt
 
 
-async def _serve(state: ServeState, request: Request, body: _Body, req: BatchRequest) -> Any:
+async def _serve(state: ServeState, request: Request, body: _Body, req: LiveRequest) -> Any:
     state.check_model(body.model)
     try:
         prepared = await state.backend.prepare_off_loop(req)

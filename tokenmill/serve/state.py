@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.engine import InProcessModel
-from tokenmill.jobs.guard import OutputLock
+from tokenmill.jobs.journal import OutputLock
 from tokenmill.serve.backend import ServingBackend
 from tokenmill.serve.batches import BatchManager, FileStore
 from tokenmill.serve.engine_loop import EngineLoop

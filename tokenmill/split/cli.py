@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from tokenmill.jobs.batch_parts import OPENAI_MAX_BYTES, OPENAI_MAX_REQUESTS
+from tokenmill.jobs.backends import OPENAI_MAX_BYTES, OPENAI_MAX_REQUESTS
 from tokenmill.jobs.flags import add_csv_column_arguments, add_document_arguments
-from tokenmill.jobs.spec import FORMATS, DocumentOptions
+from tokenmill.jobs.input import FORMATS, DocumentOptions
 from tokenmill.jobs.storage import check_input, check_output
 from tokenmill.split.parts import WrittenPart, split_input
 

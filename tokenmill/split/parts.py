@@ -9,11 +9,12 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
-from tokenmill.jobs.batch_parts import OPENAI_MAX_BYTES, OPENAI_MAX_REQUESTS, OpenPart, PartSplitter, check_limits
-from tokenmill.jobs.guard import Footprint, OutputLock, refuse_inputs_in
-from tokenmill.jobs.spec import DocumentOptions, read_input
+from tokenmill.jobs.backends import OPENAI_MAX_BYTES, OPENAI_MAX_REQUESTS, OpenPart, PartSplitter, check_limits
+from tokenmill.jobs.input import DocumentOptions, read_input
+from tokenmill.jobs.journal import Footprint, OutputLock, refuse_inputs_in
+from tokenmill.jobs.results import ErrorCode, error_row
 from tokenmill.openai_compat import new_id
 
 PART_NAME = "part-{:05d}.jsonl"
@@ -64,13 +65,14 @@ def _split(
     spec = read_input(input_path, options, input_format)  # every line checked first, as `run` checks it
     _claim(out_dir, overwrite)
     outcome = SplitOutcome()
-    errors = [(e.line, _error_row(e.custom_id, e.line, e.reason)) for e in spec.errors]
+    errors = [(e.line, error_row(e.custom_id, e.line, ErrorCode.INVALID_INPUT, e.reason)) for e in spec.errors]
     splitter = PartSplitter(max_requests, max_bytes, lambda url: _open_part(out_dir),
                             lambda part: _finish_part(part, out_dir, outcome, on_part), bytes_flag="--max-bytes")
     try:
         for request in spec.requests(spec.entries):
             if (problem := splitter.add(request)) is not None:
-                errors.append((request.line, _error_row(request.custom_id, request.line, problem)))
+                row = error_row(request.custom_id, request.line, ErrorCode.INVALID_INPUT, problem)
+                errors.append((request.line, row))
         splitter.finish()
     finally:
         splitter.drop()
@@ -109,10 +111,3 @@ def _finish_part(part: OpenPart, out_dir: Path, outcome: SplitOutcome,
     outcome.parts.append(written)
     if on_part is not None:
         on_part(written)
-
-
-def _error_row(custom_id: str | None, line: int, reason: str) -> dict[str, Any]:
-    """The row `tokenmill run` writes for a bad line (OpenAI's error row, the line leading the
-    message), so the two commands report a bad line alike."""
-    return {"id": new_id("batch_req_"), "custom_id": custom_id, "response": None,
-            "error": {"code": "invalid_input", "message": f"line {line}: {reason}"}}

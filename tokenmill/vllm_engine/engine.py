@@ -15,20 +15,24 @@ the server's engine loop run unchanged on it. What it adds on top of vLLM:
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tokenmill.engine import (
+    EngineCapabilities,
     EngineConfig,
     EngineRequest,
+    FinishReason,
+    InputProcessor,
     Prompt,
     RequestOutput,
     RequestTimings,
@@ -37,7 +41,6 @@ from tokenmill.engine import (
     SchedulerStats,
     TokenLogprob,
     chat_prompt_ids,
-    read_prompt,
 )
 from tokenmill.models.build import free_memory
 from tokenmill.models.export import hf_folder_for
@@ -96,7 +99,7 @@ class _Request:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per output token, where params.logprobs asks
 
-    def output(self, finish_reason: str | None, stop_reason: int | str | None = None) -> RequestOutput:
+    def output(self, finish_reason: FinishReason | None, stop_reason: int | str | None = None) -> RequestOutput:
         """tokenmill's output for where the request stands. vLLM's outputs do not say how often a
         request was preempted (its counter is the engine's: `stats()`), so neither does this."""
         return RequestOutput(
@@ -112,6 +115,7 @@ class VllmEngine:
     """`StepEngine` (engine/interface.py) over `vllm.LLMEngine`."""
 
     name = "vllm"
+    capabilities = EngineCapabilities()  # vLLM compiles a structured output when the request is submitted
 
     def __init__(self, config: VllmConfig) -> None:
         """`config.vllm_engine_args()` go to vllm.EngineArgs as they are; on a CPU without a KV
@@ -133,6 +137,9 @@ class VllmEngine:
         self.tokenizer = self._engine.get_tokenizer()
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)  # what vLLM was built for
+        # vLLM's own bound on a token id: the model's vocabulary or the tokenizer's, whichever is larger.
+        vocab_size = max(vllm_config.model_config.get_vocab_size(), self.tokenizer.max_token_id + 1)
+        self.processor = InputProcessor(self.tokenizer, self.max_model_len, vocab_size)
         self._batch_cap = self.max_num_seqs
         self._priority = vllm_config.scheduler_config.policy == "priority"
         self._requests: dict[str, _Request] = {}
@@ -146,21 +153,17 @@ class VllmEngine:
         self._ids += 1
         return f"vllm-{self._ids}"
 
+    def check_prompt_chars(self, num_chars: int) -> None:
+        self.processor.check_prompt_chars(num_chars)
+
     def process_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                         priority: int = 0) -> EngineRequest:
-        """Tokenize (any thread); ValueError for an empty or over-long prompt. A structured output
-        is compiled by vLLM when the request is submitted: one that does not compile comes back
-        as that request's output with finish_reason "error"."""
-        params = params or SamplingParams()
-        text, ids = self._tokenize(prompt)
-        if len(ids) >= self.max_model_len:  # refused now, as the embedded engine does, not at submission
-            raise ValueError(f"prompt has {len(ids):,} tokens but the context is {self.max_model_len:,} tokens "
-                             "(at least one must be left to generate)")
-        return EngineRequest(
-            request_id=request_id if request_id is not None else self.new_request_id(), prompt=text,
-            prompt_token_ids=ids, params=params, priority=priority,
-            seed=params.seed or 0,  # unused: an unseeded request takes vLLM's engine seed (`_vllm_params`)
-            arrival=time.monotonic())
+        """Tokenize and check (any thread), as the embedded engine does (`InputProcessor`): refused
+        now, not at submission. A structured output is compiled by vLLM when the request is
+        submitted: one that does not compile comes back as that request's output with
+        FinishReason.ERROR."""
+        request_id = request_id if request_id is not None else self.new_request_id()
+        return self.processor.process(prompt, params or SamplingParams(), request_id, priority)
 
     def add_processed(self, request: EngineRequest) -> str:
         if request.request_id in self._requests:
@@ -185,7 +188,7 @@ class VllmEngine:
         else:
             self._queue.remove(request_id)
         request.timings.finished = time.monotonic()
-        return request.output("abort")
+        return request.output(FinishReason.ABORT)
 
     def has_started(self, request_id: str) -> bool:
         """Inside vLLM (which runs at most max_num_seqs of them, as tokenmill submits)."""
@@ -278,29 +281,18 @@ class VllmEngine:
             return request.output(None)
         request.timings.finished = now
         del self._requests[raw.request_id]
-        return request.output(completion.finish_reason, completion.stop_reason)
+        # vLLM's finish reasons as strings are tokenmill's (its "repetition" needs a detection that
+        # `_vllm_params` never turns on).
+        return request.output(FinishReason(completion.finish_reason), completion.stop_reason)
 
     def _vllm_params(self, params: SamplingParams) -> Any:
-        so = params.structured_outputs
-        return self._vllm.SamplingParams(
-            max_tokens=params.max_tokens, min_tokens=params.min_tokens, temperature=params.temperature,
-            top_k=params.top_k, top_p=params.top_p, seed=params.seed,  # unseeded: from vLLM's engine seed
-            ignore_eos=params.ignore_eos, stop_token_ids=list(params.stop_token_ids), stop=list(params.stop),
-            structured_outputs=None if so is None else self._vllm.sampling_params.StructuredOutputsParams(
-                **{so.kind: getattr(so, so.kind)}),
-            logprobs=params.logprobs,
-        )
-
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """Any prompt form (engine/prompt.py) as (text, token ids), text tokenized as the embedded
-        engine does it."""
-        text, ids = read_prompt(prompt)
-        if ids is None:
-            assert text is not None
-            ids = list(self.tokenizer.encode(text))
-        if not ids:
-            raise ValueError("prompt is empty (0 tokens)")
-        return text, ids
+        """Every SamplingParams field under its own name, which is vLLM's too (an unseeded request
+        takes vLLM's engine seed); lists copied, since vLLM keeps what it is given."""
+        given = {f.name: copy.copy(getattr(params, f.name)) for f in fields(params)}
+        so = given.pop("structured_outputs")
+        structured = None if so is None else self._vllm.sampling_params.StructuredOutputsParams(
+            **{so.kind: getattr(so, so.kind)})
+        return self._vllm.SamplingParams(**given, structured_outputs=structured)
 
     def _counter(self, name: str) -> float:
         """One of vLLM's own metrics, where its stats are on (0 otherwise)."""

@@ -9,12 +9,13 @@ prompt), so the same row has the same id in every job it passes through.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Container, Iterable
 from pathlib import Path
 from typing import BinaryIO
 
-from tokenmill.jobs.spec import CsvLayout, Entry, decode_line, json_object_line
+from tokenmill.jobs.input.reader import CsvLayout, decode_line, json_object_line
+from tokenmill.jobs.input.request import Entry
+from tokenmill.jobs.storage import replacing
 
 
 def write_subset(source: Path, fmt: str, entries: Iterable[Entry], csv_layout: CsvLayout | None,
@@ -22,17 +23,13 @@ def write_subset(source: Path, fmt: str, entries: Iterable[Entry], csv_layout: C
     """The rows of `source` (read as `fmt`, its good rows `entries`) whose custom_id is in `ids`,
     in the source's order, written whole to `path` (a temporary file renamed: a kill leaves the
     old file or the new one). Returns the rows written."""
-    tmp = path.with_name(path.name + ".tmp")
     written = 0
-    with source.open("rb") as src, tmp.open("wb") as dst:
+    with source.open("rb") as src, replacing(path) as dst:
         for entry in entries:
             if entry.custom_id in ids:
                 src.seek(entry.offset)
                 dst.write(_line_keeping_id(src, entry, fmt, csv_layout))
                 written += 1
-        dst.flush()
-        os.fsync(dst.fileno())
-    os.replace(tmp, path)
     return written
 
 

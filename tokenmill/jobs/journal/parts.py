@@ -8,7 +8,7 @@ it into parts: every `--part-rows` result rows, and at the end of every run (a s
 too), the journal's rows since the last part become the next one:
 
     OUT/results/part-00001.jsonl (or .parquet)   the rows, whole
-    OUT/index/part-00001.index                   their done-index records (output.INDEX_RECORD,
+    OUT/index/part-00001.index                   their done-index records (INDEX_RECORD,
                                                  the header's offset: where they start in the journal)
 
 committed in that order. A part counts only once its sidecar exists; a data part without one
@@ -44,23 +44,25 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from tokenmill.environment import cache_root
-from tokenmill.jobs import output, storage
-from tokenmill.jobs.config import JobConfig
-from tokenmill.jobs.guard import Footprint, with_temporaries
-from tokenmill.jobs.output import (
+from tokenmill.jobs import storage
+from tokenmill.jobs.errors import JobError, JobFailed
+from tokenmill.jobs.journal.guard import Footprint, with_temporaries
+from tokenmill.jobs.journal.identity import check_same_job, claim_outputs
+from tokenmill.jobs.journal.index import (
     INDEX_HEADER,
     INDEX_MAGIC,
     INDEX_RECORD,
-    IndexedResults,
-    JobError,
-    JobFailed,
-    OutputPaths,
-    OutputState,
+    create_index,
+    read_index,
+    read_index_records,
 )
-from tokenmill.jobs.storage import Store
+from tokenmill.jobs.journal.paths import ERRORS_FILE, JOB_FILE, SUMMARY_FILE, OutputPaths
+from tokenmill.jobs.journal.state import OutputState, count_done, scan_errors, scan_outputs
+from tokenmill.jobs.journal.writers import IndexedResults
+from tokenmill.jobs.storage import Location, Store, atomic_write_json
 
 RESULTS, INDEX = "results", "index"  # the folders of the data parts and of their sidecars
-ERRORS, SUMMARY, JOB_FILE = "errors.jsonl", "summary.json", "job.json"  # a URL output's small files
+PART_ROWS = 100_000  # result rows per committed part: what a lost machine can cost at most
 MARKER = "parts.json"  # in a URL output's spool: the part its journal follows
 _PART = re.compile(r"part-(\d+)\.(jsonl|parquet|index)$")
 COPY_CHUNK = 8 << 20
@@ -123,7 +125,7 @@ class PartStore:
         """Commit the journal's records `position.records`..`records` (bytes `position.offset`..`end`)
         as the next part: the data, then its sidecar."""
         number = position.part + 1
-        entries = output.read_index_records(journal.index, position.records, records)
+        entries = read_index_records(journal.index, position.records, records)
         for path in (journal.index, journal.results):  # a part must hold no row the journal could still lose
             storage.fsync(path)
         built = self.store.temp_path(self.data_name(number))
@@ -136,7 +138,7 @@ class PartStore:
 
     def _write_rows(self, journal: Path, start: int, end: int, f: BinaryIO) -> None:
         if self.format == "parquet":
-            from tokenmill.jobs.parquet import write_parquet  # pyarrow only for parquet jobs
+            from tokenmill.jobs.journal.parquet import write_parquet  # pyarrow only for parquet jobs
 
             write_parquet(_journal_lines(journal, start, end), f)
             return
@@ -170,7 +172,7 @@ def _journal_lines(path: Path, start: int, end: int) -> Iterator[bytes]:
 
 
 class PartSealer:
-    """Seals the journal into parts as `IndexedResults` writes it (output.Sealer): a part every
+    """Seals the journal into parts as `IndexedResults` writes it (Sealer): a part every
     `part_rows` rows, on a thread of its own so that no backend waits for an upload, and the rest
     at close. Only counts are handed over: a seal reads the rows back from the journal."""
 
@@ -225,23 +227,39 @@ def default_spool(url: str) -> Path:
     return cache_root() / "jobs" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
 
 
-class JobOutput:
-    """A job's files as the runner sees them: the local journal (`paths`, output.py) and, for a URL
-    output or parquet, the committed parts (and, for a URL, the small files uploaded beside them)."""
+@dataclass(frozen=True)
+class OutputLayout:
+    """Where a job's output goes and in what form: a JobConfig's output settings."""
 
-    def __init__(self, config: JobConfig, say: Callable[[str], None] = lambda text: None) -> None:
-        self.config, self.say = config, say
-        self.remote = storage.is_url(config.output)
+    output: Location  # a folder or a results .jsonl file; a URL is a folder
+    errors: Path | None = None
+    output_format: str = "jsonl"  # the committed parts' format
+    part_rows: int = PART_ROWS
+    spool_dir: Path | None = None  # a URL output's local journal (default: under the cache folder)
+
+    @property
+    def writes_parts(self) -> bool:
+        """Results sealed into committed parts: a URL output, or parquet."""
+        return storage.is_url(self.output) or self.output_format == "parquet"
+
+
+class JobOutput:
+    """A job's files as the runner sees them: the local journal (`paths`) and, for a URL output or
+    parquet, the committed parts (and, for a URL, the small files uploaded beside them)."""
+
+    def __init__(self, layout: OutputLayout, say: Callable[[str], None] = lambda text: None) -> None:
+        self.layout, self.say = layout, say
+        self.remote = storage.is_url(layout.output)
         self.store: Store | None = None
         if self.remote:
-            spool = config.spool_dir or default_spool(str(config.output))
+            spool = layout.spool_dir or default_spool(str(layout.output))
             self.paths = OutputPaths.from_option(spool)
-            self.store = Store(config.output, scratch=spool)
+            self.store = Store(layout.output, scratch=spool)
         else:
-            self.paths = OutputPaths.from_option(Path(config.output), config.errors)
-            if config.writes_parts:
-                self.store = Store(config.output, scratch=Path(config.output))
-        self.parts = PartStore(self.store, config.output_format) if self.store is not None else None
+            self.paths = OutputPaths.from_option(Path(layout.output), layout.errors)
+            if layout.writes_parts:
+                self.store = Store(layout.output, scratch=Path(layout.output))
+        self.parts = PartStore(self.store, layout.output_format) if self.store is not None else None
         self.position = Position(0, 0, 0)
 
     @property
@@ -250,7 +268,7 @@ class JobOutput:
 
     @property
     def errors_location(self) -> str:
-        return self.store.url(ERRORS) if self.remote and self.store else str(self.paths.errors)
+        return self.store.url(ERRORS_FILE) if self.remote and self.store else str(self.paths.errors)
 
     @property
     def _marker(self) -> Path:
@@ -261,35 +279,35 @@ class JobOutput:
         journal = Footprint(with_temporaries((*self.paths.files, self._marker) if self.remote else self.paths.files))
         if self.remote:
             assert self.store is not None
-            small = tuple(self.store.url(name) for name in (ERRORS, SUMMARY, JOB_FILE))
+            small = tuple(self.store.url(name) for name in (ERRORS_FILE, SUMMARY_FILE, JOB_FILE))
             return journal + Footprint(small, (self.store.url(RESULTS), self.store.url(INDEX)))
-        if storage.suffix(self.config.output) == ".jsonl":
+        if storage.suffix(self.layout.output) == ".jsonl":
             return journal
-        return journal + Footprint(folders=(Path(self.config.output) / RESULTS, Path(self.config.output) / INDEX))
+        return journal + Footprint(folders=(Path(self.layout.output) / RESULTS, Path(self.layout.output) / INDEX))
 
     # ---- claiming ------------------------------------------------------------------------------
     def claim(self, job: dict[str, Any], overwrite: bool) -> bool:
-        """Make the output this job's (output.claim_outputs); True when resuming an earlier run."""
+        """Make the output this job's (claim_outputs); True when resuming an earlier run."""
         if not self.remote:
-            if overwrite and storage.suffix(self.config.output) != ".jsonl":  # a folder: parts of any format
-                PartStore(Store(self.config.output, Path(self.config.output)), "jsonl").clear()
-            return output.claim_outputs(self.paths, job, overwrite)
+            if overwrite and storage.suffix(self.layout.output) != ".jsonl":  # a folder: parts of any format
+                PartStore(Store(self.layout.output, Path(self.layout.output)), "jsonl").clear()
+            return claim_outputs(self.paths, job, overwrite)
         assert self.store is not None and self.parts is not None
         if overwrite:
             self.parts.clear()
-            self.store.delete([ERRORS, SUMMARY, JOB_FILE])
+            self.store.delete([ERRORS_FILE, SUMMARY_FILE, JOB_FILE])
             self._wipe_spool()
         recorded = self.store.get(JOB_FILE)
         if recorded is not None:
-            output.check_same_job(recorded, job, self.store.url(JOB_FILE), self.store.url())
-        elif self.parts.exist() or self.store.get(ERRORS) is not None:
+            check_same_job(recorded, job, self.store.url(JOB_FILE), self.store.url())
+        elif self.parts.exist() or self.store.get(ERRORS_FILE) is not None:
             raise JobError(f"{self.store.url()} holds a job's files but no {JOB_FILE}, so it was not started by this "
                            "job; choose another -o, or add --overwrite to replace them")
         if self.paths.job.exists() and json.loads(self.paths.job.read_bytes()).get("fingerprint") != job["fingerprint"]:
             self._wipe_spool()  # another job's journal (the output was started over from elsewhere)
         if not self.paths.job.exists():
             self.paths.job.parent.mkdir(parents=True, exist_ok=True)
-            output.write_json_atomic(self.paths.job, job)
+            atomic_write_json(self.paths.job, job)
         if recorded is None:
             self.store.upload(JOB_FILE, self.paths.job)
         return recorded is not None
@@ -304,7 +322,7 @@ class JobOutput:
         """What earlier runs finished: the journal's index, or, with parts, the committed parts'
         (the journal's tail sealed first)."""
         if self.parts is None:
-            return output.scan_outputs(self.paths)
+            return scan_outputs(self.paths)
         committed = self.parts.committed()
         journal, repaired = self._journal()
         position = None if journal is None else self._follows(committed, journal)
@@ -320,19 +338,19 @@ class JobOutput:
             done = np.concatenate([done, tail])
         self.position = position
         state = OutputState(repaired_bytes=repaired)
-        output.count_done(state, done)
-        output.scan_errors(state, self.paths.errors)
+        count_done(state, done)
+        scan_errors(state, self.paths.errors)
         return state
 
     def _journal(self) -> tuple[np.ndarray | None, int]:
         """The journal's records (None: a URL output's journal that cannot be used) and bytes cut."""
         index, results = self.paths.index, self.paths.results
         if index.exists():
-            found = output.read_index(index, results)
+            found = read_index(index, results)
             if found is not None and found[1] == 0:
                 return found[0], found[2]
         elif not (results.exists() and results.stat().st_size):
-            output.create_index(index, 0)
+            create_index(index, 0)
             return np.empty(0, INDEX_RECORD), 0
         if self.remote:
             return None, 0
@@ -368,8 +386,8 @@ class JobOutput:
         assert self.store is not None
         for path in (self.paths.results, self.paths.index, self.paths.errors):
             path.unlink(missing_ok=True)
-        output.create_index(self.paths.index, 0)
-        errors = self.store.get(ERRORS)
+        create_index(self.paths.index, 0)
+        errors = self.store.get(ERRORS_FILE)
         if errors is not None:
             self.paths.errors.write_bytes(errors)
         self._note(Position(last_part, 0, 0))
@@ -380,15 +398,15 @@ class JobOutput:
         commit, so a crash between the two leaves a note behind the parts: the journal is then
         discarded, never sealed twice)."""
         if self.remote:
-            note = {"output": str(self.config.output), "part": position.part, "offset": position.offset}
-            output.write_json_atomic(self._marker, note, fsync=True)
+            note = {"output": str(self.layout.output), "part": position.part, "offset": position.offset}
+            atomic_write_json(self._marker, note)
 
     # ---- running -------------------------------------------------------------------------------
     def results(self, fsync_interval: float) -> IndexedResults:
         """The journal's writer; with parts, one that seals them as it goes."""
         sealer = None
         if self.parts is not None:
-            sealer = PartSealer(self.parts, self.paths, self.position, self.config.part_rows, self._note, self.say)
+            sealer = PartSealer(self.parts, self.paths, self.position, self.layout.part_rows, self._note, self.say)
         return IndexedResults(self.paths.results, self.paths.index, fsync_interval, sealer)
 
     def publish(self, *files: Path) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO
 
-from tokenmill.jobs.spec import BatchRequest
+from tokenmill.jobs.input.request import BatchRequest
 
 OPENAI_MAX_REQUESTS = 50_000  # requests in one batch input file
 OPENAI_MAX_BYTES = 200 * 1024 * 1024  # bytes in one batch input file

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.jobs.spec import BatchRequest
+from tokenmill.jobs.input.request import BatchRequest
 
 CHARS_PER_TOKEN = 4  # OpenAI's rule of thumb for English text, and what its limiter assumes
 TOKEN_ID_CHARS = CHARS_PER_TOKEN  # a prompt given as token ids: each id is one token

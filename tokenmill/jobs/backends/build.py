@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tokenmill.engine import EngineConfig
-from tokenmill.jobs.backend import Backend
-from tokenmill.jobs.batch_api import BatchApiSpec
-from tokenmill.jobs.endpoint import EndpointSpec
-from tokenmill.jobs.ray_runner import RaySpec
+from tokenmill.jobs.backends.base import Backend
+from tokenmill.jobs.backends.batch_api import BatchApiSpec
+from tokenmill.jobs.backends.endpoint import EndpointSpec
+from tokenmill.jobs.backends.ray import RaySpec
 from tokenmill.vllm_engine.config import VllmConfig
 
 BackendSpec = EngineConfig | VllmConfig | EndpointSpec | tuple[EndpointSpec, ...] | BatchApiSpec | RaySpec
@@ -27,18 +27,18 @@ BackendSpec = EngineConfig | VllmConfig | EndpointSpec | tuple[EndpointSpec, ...
 def build_backend(spec: BackendSpec) -> Backend:
     """The backend for `spec`. Imports only what it needs: an endpoint job loads no torch."""
     if isinstance(spec, RaySpec):
-        from tokenmill.jobs.ray_runner import RayBackend
+        from tokenmill.jobs.backends.ray import RayBackend
 
         return RayBackend(_replica_backends(spec), spec.resolved_options())
     if isinstance(spec, BatchApiSpec):
-        from tokenmill.jobs.batch_api import BatchApiBackend
+        from tokenmill.jobs.backends.batch_api import BatchApiBackend
 
         return BatchApiBackend(spec)
     if isinstance(spec, EndpointSpec | tuple):
-        from tokenmill.jobs.endpoint import EndpointBackend
+        from tokenmill.jobs.backends.endpoint import EndpointBackend
 
         return EndpointBackend(spec)
-    from tokenmill.jobs.embedded import EmbeddedBackend
+    from tokenmill.jobs.backends.embedded import EmbeddedBackend
 
     return EmbeddedBackend(spec)
 

@@ -23,7 +23,6 @@ import contextlib
 import email.utils
 import itertools
 import random
-import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -33,51 +32,15 @@ from typing import Any
 import aiohttp
 import orjson
 
-from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
-from tokenmill.jobs.output import JobFailed
-from tokenmill.jobs.rate_limit import Limiter, RateLimit, sleep_unless
-from tokenmill.jobs.spec import BatchRequest
-from tokenmill.openai_compat import new_id
+from tokenmill.jobs.backends.base import BackendStats, ResultSink, StopFlag, notice
+from tokenmill.jobs.backends.http import DOWN_STATUSES, RetryPolicy, code_of_status, error_message
+from tokenmill.jobs.backends.rate_limit import Limiter, RateLimit, sleep_unless
+from tokenmill.jobs.errors import JobFailed
+from tokenmill.jobs.input.request import BatchRequest
+from tokenmill.jobs.journal.rows import ErrorCode, is_transient
+from tokenmill.openai_compat import api_root, new_id
 
-DOWN_STATUSES = frozenset({502, 503, 504})  # a gateway saying the server behind it is not there
 PROBE_PATH = "/v1/models"  # cheap, and served by every OpenAI-compatible server we know
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Every number that decides how long the endpoint backend keeps trying."""
-
-    retry_for: float = 600.0  # a request's retry budget, and how long the endpoint may be down
-    max_attempts: int | None = None  # an optional extra cap on one request's tries
-    base_delay: float = 0.5  # seconds before the 2nd attempt, and before the first probe (then doubled)
-    max_delay: float = 30.0  # cap on one request's backoff
-    max_retry_after: float = 300.0  # cap on what a server may ask us to wait
-    breaker_after: int = 3  # down signals in a row, across an endpoint's workers, that open its breaker
-    max_probe_delay: float = 5.0  # cap on the wait between probes: how late we may notice a return
-    probe_timeout: float = 10.0
-
-    def __post_init__(self) -> None:
-        if self.max_attempts is not None and self.max_attempts < 1:
-            raise ValueError(f"--max-attempts must be >= 1, got {self.max_attempts}")
-        check_retry_for(self.retry_for)
-
-    def backoff(self, attempt: int, rng: random.Random) -> float:
-        """Equal jitter: half the exponential delay for sure, the other half at random, so
-        workers that failed together do not come back together."""
-        delay = min(self.max_delay, self.base_delay * 2 ** (attempt - 1))
-        return delay / 2 + rng.uniform(0, delay / 2)
-
-    def delay(self, attempt: int, retry_after: float | None, rng: random.Random) -> float:
-        """The wait after a failed `attempt`: the server's Retry-After (capped), else the backoff."""
-        return self.backoff(attempt, rng) if retry_after is None else min(retry_after, self.max_retry_after)
-
-    def exhausted(self, attempts: int, spent_s: float) -> bool:
-        """Whether a request that failed `attempts` times, and would have spent `spent_s` of its
-        budget by its next try, should stop here."""
-        return spent_s > self.retry_for or (self.max_attempts is not None and attempts >= self.max_attempts)
-
-    def probe_delay(self, probes: int) -> float:
-        return min(self.max_probe_delay, self.base_delay * 2**probes)
 
 
 @dataclass
@@ -138,12 +101,6 @@ def check_server(url: str, timeout_s: float) -> None:
         raise ValueError(f"--timeout must be positive, got {timeout_s:g}")
 
 
-def check_retry_for(seconds: float) -> None:
-    """--retry-for: how long failures are retried (RetryPolicy, and the Batch API's control calls)."""
-    if seconds < 0:
-        raise ValueError(f"--retry-for must be >= 0, got {seconds:g}")
-
-
 class Breaker:
     """One endpoint's circuit breaker: whether it is up, as all its workers see it.
 
@@ -197,7 +154,7 @@ class Breaker:
         self.opened_at = time.monotonic()
         self._closed.clear()
         self._prober = asyncio.create_task(self._probe_until_back(self.opened_at))
-        _say(f"the endpoint {self.url} is not answering ({self.last_error}); holding new requests and "
+        notice(f"the endpoint {self.url} is not answering ({self.last_error}); holding new requests and "
              f"probing it for up to {self.policy.retry_for:g} s (--retry-for)")
 
     def give_up(self, error: str) -> None:
@@ -222,7 +179,7 @@ class Breaker:
         self._down_before += down
         self.opened_at, self._streak = None, 0
         self._closed.set()
-        _say(f"the endpoint {self.url} answers again after {down:.1f} s; resuming")
+        notice(f"the endpoint {self.url} answers again after {down:.1f} s; resuming")
 
     async def _probe_until_back(self, opened_at: float) -> None:
         deadline = opened_at + self.policy.retry_for
@@ -248,8 +205,7 @@ class _Endpoint:
     whether the last run gave up on it."""
 
     def __init__(self, spec: EndpointSpec) -> None:
-        base = spec.url.rstrip("/")
-        self.base_url = base[: -len("/v1")] if base.endswith("/v1") else base  # request urls start with /v1
+        self.base_url = api_root(spec.url)
         self.spec = spec
         self.limiter = Limiter(spec.rate_limit)
         # The last run gave up on it: the next starts with one probe, and leaves it out at once if
@@ -435,7 +391,7 @@ class EndpointBackend:
                 run.sink.error(request, result.code, result.message, result.response)
                 return _written(run, lane)
             delay = policy.delay(attempt, result.retry_after, self._rng)
-            if result.code == "rate_limited" and result.retry_after is not None:
+            if result.code == ErrorCode.RATE_LIMITED and result.retry_after is not None:
                 limiter.pause(delay)  # the endpoint asked for a pause: all its workers hold, not just this one
             spent = _spent_s(breaker, spent_before, started, down_before)
             if policy.exhausted(attempt, spent + delay):
@@ -452,28 +408,24 @@ class EndpointBackend:
             async with lane.client.post(request.url.lstrip("/"), data=orjson.dumps(request.body)) as reply:
                 raw = await reply.read()
         except TimeoutError as exc:
-            return Attempt(code="timeout", retry=True, down=True,
+            return Attempt(code=ErrorCode.TIMEOUT, retry=True, down=True,
                            message=f"no reply within {lane.endpoint.spec.timeout_s:g} s ({type(exc).__name__})")
         except aiohttp.ClientError as exc:  # refused, reset, dropped mid-reply
-            return Attempt(code="connection_error", message=_describe(exc), retry=True, down=True)
+            return Attempt(code=ErrorCode.CONNECTION_ERROR, message=_describe(exc), retry=True, down=True)
         request_id = reply.headers.get("x-request-id") or new_id("req_")
         body = _json_or_none(raw)
         if 200 <= reply.status < 300:
             if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
-                return Attempt(code="bad_response", message=f"HTTP {reply.status} without a completion body",
+                return Attempt(code=ErrorCode.BAD_RESPONSE, message=f"HTTP {reply.status} without a completion body",
                                retry=True)
             return Attempt(body=body, request_id=request_id)
         text = raw.decode("utf-8", "replace")
         response = {"status_code": reply.status, "request_id": request_id,
                     "body": body if body is not None else text[:2000]}
-        message = f"HTTP {reply.status}: {_error_message(body, text)}"
-        retry_after = parse_retry_after(reply.headers.get("retry-after"))
-        if reply.status == 429:
-            return Attempt(code="rate_limited", message=message, retry=True, retry_after=retry_after, response=response)
-        if reply.status >= 500:
-            return Attempt(code="server_error", message=message, retry=True, retry_after=retry_after,
-                           response=response, down=reply.status in DOWN_STATUSES)
-        return Attempt(code=f"http_{reply.status}", message=message, response=response)
+        code = code_of_status(reply.status)
+        return Attempt(code=code, message=f"HTTP {reply.status}: {error_message(body, text)}", retry=is_transient(code),
+                       retry_after=parse_retry_after(reply.headers.get("retry-after")), response=response,
+                       down=reply.status in DOWN_STATUSES)
 
 
 def _session(endpoint: _Endpoint, limit: int) -> aiohttp.ClientSession:
@@ -542,7 +494,7 @@ def _lane_gone(run: _Run, lane: _Lane) -> None:
     if not up:
         run.halt.set()
         return
-    _say(f"{_gone_text([lane])}; leaving it for the rest of this run: {len(up)} other endpoint(s) carry on "
+    notice(f"{_gone_text([lane])}; leaving it for the rest of this run: {len(up)} other endpoint(s) carry on "
          "with its requests")
 
 
@@ -577,9 +529,6 @@ async def _wait_any(*events: asyncio.Event) -> None:
             waiter.cancel()
 
 
-def _say(text: str) -> None:
-    print(f"tokenmill run: {text}", file=sys.stderr)  # above the progress bar (rich redirects stderr)
-
 
 def _describe(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -594,15 +543,3 @@ def _json_or_none(raw: bytes) -> Any:
 
 def _json_text(value: Any) -> str:
     return orjson.dumps(value).decode()
-
-
-def _error_message(body: Any, text: str) -> str:
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
-        if isinstance(error, str):
-            return error
-        if body.get("message"):
-            return str(body["message"])
-    return text.strip()[:300] or "(empty body)"

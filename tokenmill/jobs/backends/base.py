@@ -9,16 +9,17 @@ it in cli.py.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from tokenmill.jobs import output
-from tokenmill.jobs.output import RowWriter
-from tokenmill.jobs.progress import JobProgress
-from tokenmill.jobs.seen_ids import id_key
-from tokenmill.jobs.spec import BatchRequest
+from tokenmill.jobs.input.request import BatchRequest
+from tokenmill.jobs.input.seen_ids import id_key
+from tokenmill.jobs.journal.index import IndexEntry, index_flags
+from tokenmill.jobs.journal.rows import error_row, finish_reason_of, is_transient, result_row, usage_of
+from tokenmill.jobs.journal.writers import RowWriter
 
 
 @dataclass
@@ -67,24 +68,30 @@ class StopFlag:
         self.requested = True
 
 
+class Progress(Protocol):
+    """What is told of each finished request (the job's progress bar)."""
+
+    def advance(self, completion_tokens: int = 0) -> None: ...
+
+
 class ResultSink:
     """Where backends hand every outcome: one row written (and flushed) per request."""
 
-    def __init__(self, results: RowWriter, errors: RowWriter, progress: JobProgress | None) -> None:
+    def __init__(self, results: RowWriter, errors: RowWriter, progress: Progress | None) -> None:
         self._results, self._errors, self.progress = results, errors, progress
         self.done = self.failed = self.transient = 0
         self.structured_cut = 0  # results asking for a structured output that max_tokens ended: not valid
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
 
     def result(self, request: BatchRequest, body: dict[str, Any], request_id: str | None = None) -> None:
-        row = output.result_row(request.custom_id, body, request_id, request.metadata)
+        row = result_row(request.custom_id, body, request_id, request.metadata)
         self._results.write(row, index_entry(request, body))
         self._count_result(body, request.structured)
 
     def error(
         self, request: BatchRequest, code: str, message: str, response: dict[str, Any] | None = None
     ) -> None:
-        self._errors.write(output.error_row(request.custom_id, request.line, code, message, response, request.metadata))
+        self._errors.write(error_row(request.custom_id, request.line, code, message, response, request.metadata))
         self._count_error(code)
 
     def row(self, row: dict[str, Any], owner: RowOwner) -> None:
@@ -98,9 +105,9 @@ class ResultSink:
             self._count_error(row["error"]["code"])
 
     def _count_result(self, body: dict[str, Any], structured: bool) -> None:
-        prompt, cached, completion = output.usage_of(body)
+        prompt, cached, completion = usage_of(body)
         self.done += 1
-        self.structured_cut += structured and output.finish_reason_of(body) == "length"
+        self.structured_cut += structured and finish_reason_of(body) == "length"
         self.prompt_tokens += prompt
         self.cached_tokens += cached
         self.completion_tokens += completion
@@ -109,7 +116,7 @@ class ResultSink:
 
     def _count_error(self, code: str) -> None:
         self.failed += 1
-        self.transient += code in output.TRANSIENT_CODES
+        self.transient += is_transient(code)
         if self.progress:
             self.progress.advance()
 
@@ -129,9 +136,9 @@ class RowOwner:
         return cls(request.line, request.custom_id, request.structured, request.max_tokens_defaulted)
 
 
-def index_entry(request: BatchRequest | RowOwner, body: dict[str, Any]) -> output.IndexEntry:
-    flags = output.index_flags(request.structured, request.max_tokens_defaulted, body)
-    return output.IndexEntry(request.line, id_key(request.custom_id), flags)
+def index_entry(request: BatchRequest | RowOwner, body: dict[str, Any]) -> IndexEntry:
+    flags = index_flags(request.structured, request.max_tokens_defaulted, body)
+    return IndexEntry(request.line, id_key(request.custom_id), flags)
 
 
 class Backend(Protocol):
@@ -176,3 +183,8 @@ class KeepsState(Protocol):
     ids): the runner hands it a path beside the job's output before `start`."""
 
     def keep_state(self, path: Path) -> None: ...
+
+
+def notice(text: str) -> None:
+    """A backend's notice to the user, while a job runs (an endpoint down, a batch submitted)."""
+    print(f"tokenmill run: {text}", file=sys.stderr)  # above the progress bar (rich redirects stderr)

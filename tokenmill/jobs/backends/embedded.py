@@ -12,11 +12,12 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from tokenmill.engine import EngineConfig, EngineSpec, InProcessModel, RequestOutput, StepEngine
+from tokenmill.engine import EngineConfig, EngineSpec, FinishReason, InProcessModel, RequestOutput, StepEngine
 from tokenmill.engines import load_engine
 from tokenmill.environment import model_name
-from tokenmill.jobs.backend import BackendStats, BackendUnavailable, ResultSink, StopFlag
-from tokenmill.jobs.spec import BatchRequest
+from tokenmill.jobs.backends.base import BackendStats, BackendUnavailable, ResultSink, StopFlag
+from tokenmill.jobs.input.request import BatchRequest
+from tokenmill.jobs.journal.rows import ErrorCode
 from tokenmill.openai_compat import (
     check_prompt_size,
     check_structured_outputs,
@@ -98,8 +99,9 @@ class EmbeddedBackend:
             for out in timer.step(engine):
                 if out.finished and out.request_id in inflight:
                     request = inflight.pop(out.request_id)
-                    if out.finish_reason == "error":  # refused inside the engine (vLLM, on submission)
-                        sink.error(request, "invalid_request", out.error or f"refused by the {self.kind} engine")
+                    if out.finish_reason is FinishReason.ERROR:  # refused inside the engine (vLLM, on submission)
+                        message = out.error or f"refused by the {self.kind} engine"
+                        sink.error(request, ErrorCode.INVALID_REQUEST, message)
                     else:
                         sink.result(request, response_body(request.url, out, self.model, token_text=token_text))
         load_s, self._load_s = self._load_s, 0.0  # counted once, in the run after the load
@@ -131,7 +133,7 @@ class EmbeddedBackend:
                 prompt, params = engine_inputs(request.parsed, self._llm)
                 self._llm.engine.add_request(prompt, params, request.custom_id)
             except (ValueError, TypeError) as exc:  # e.g. longer than the context
-                sink.error(request, "invalid_request", str(exc) if isinstance(exc, ValueError)
+                sink.error(request, ErrorCode.INVALID_REQUEST, str(exc) if isinstance(exc, ValueError)
                            else f"{type(exc).__name__}: {exc}")
                 continue
             inflight[request.custom_id] = request

@@ -26,10 +26,9 @@ import contextlib
 import hashlib
 import itertools
 import json
-import os
+import random
 import re
 import secrets
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -40,8 +39,8 @@ from typing import IO, Any, TypeVar
 
 import httpx
 
-from tokenmill.jobs.backend import BackendStats, ResultSink, StopFlag
-from tokenmill.jobs.batch_parts import (
+from tokenmill.jobs.backends.base import BackendStats, ResultSink, StopFlag, notice
+from tokenmill.jobs.backends.batch_parts import (
     OPENAI_MAX_BYTES,
     OPENAI_MAX_REQUESTS,
     OpenPart,
@@ -50,9 +49,13 @@ from tokenmill.jobs.batch_parts import (
     check_limits,
     too_big,
 )
-from tokenmill.jobs.endpoint import check_retry_for, check_server
-from tokenmill.jobs.output import JobError, JobFailed
-from tokenmill.jobs.spec import BatchRequest
+from tokenmill.jobs.backends.endpoint import check_server
+from tokenmill.jobs.backends.http import RetryPolicy, check_retry_for, code_of_status, error_message
+from tokenmill.jobs.errors import JobError, JobFailed
+from tokenmill.jobs.input.request import BatchRequest
+from tokenmill.jobs.journal.rows import ErrorCode
+from tokenmill.jobs.storage import atomic_write_json
+from tokenmill.openai_compat import api_root
 
 T = TypeVar("T")
 
@@ -63,15 +66,16 @@ LIST_PAGE = 100  # batches per `GET /v1/batches` page (OpenAI's most)
 # Batches are listed newest first: paging stops at those created this long before the part was
 # recorded (none of them can be its batch; the slack covers a server clock that runs behind ours).
 ADOPT_SLACK_S = 3600.0
-BASE_DELAY_S, MAX_DELAY_S = 0.5, 30.0  # backoff of a failed control call: doubled each try, capped
-TOO_LARGE = "request_too_large"  # final; not "invalid_input", which the runner keys by line, not id
 # What a request that its batch did not answer gets: transient codes, so a re-run tries it again.
-UNANSWERED = {"expired": "timeout", "failed": "server_error", "cancelled": "server_error",
-              "completed": "server_error"}
+UNANSWERED = {"expired": ErrorCode.TIMEOUT, "failed": ErrorCode.SERVER_ERROR, "cancelled": ErrorCode.SERVER_ERROR,
+              "completed": ErrorCode.SERVER_ERROR}
 # Row codes from the server that mean something else in this job's files.
-RENAMED_CODES = {"batch_expired": "timeout",  # the completion window closed on it: worth another try
-                 "invalid_input": "http_400"}  # the server refused the line: final, like a live 400
-_LINE_PREFIX = re.compile(r"^line \d+: ")  # the server's line in its part, not ours
+RENAMED_CODES = {"batch_expired": ErrorCode.TIMEOUT,  # the completion window closed on it: worth another try
+                 # the server refused the line: final, like a live 400 (not invalid_input: that is a line
+                 # of this job's input that could not be read)
+                 "invalid_input": ErrorCode.HTTP_400}
+# A server's error message may start with the line in its part: a number that would mislead beside ours.
+_PART_LINE = re.compile(r"^line \d+: ")
 
 
 @dataclass(frozen=True)
@@ -193,12 +197,7 @@ class BatchState:
     def save(self) -> None:
         doc = {"version": STATE_VERSION, "url": self.url, "job_key": self.key,
                "parts": [p.to_json() for p in sorted(self.parts.values(), key=lambda p: p.number)]}
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with tmp.open("w") as f:
-            f.write(json.dumps(doc, indent=1) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)  # a kill leaves the old state or the new one, never half of one
+        atomic_write_json(self.path, doc)
 
 
 # ---- the API ----------------------------------------------------------------------------------------
@@ -216,7 +215,8 @@ class BatchApiClient:
     is JobFailed at once (a wrong key or URL will not fix itself)."""
 
     def __init__(self, client: httpx.Client, stop: StopFlag, retry_for: float) -> None:
-        self.client, self.stop, self.retry_for = client, stop, retry_for
+        self.client, self.stop = client, stop
+        self.policy, self._rng = RetryPolicy(retry_for=retry_for), random.Random()
 
     def upload(self, file: IO[bytes], filename: str) -> str:
         def attempt() -> Any:
@@ -278,12 +278,12 @@ class BatchApiClient:
                 return attempt()
             except (_Transient, httpx.TransportError) as exc:
                 problem = f"{type(exc).__name__}: {exc}" if isinstance(exc, httpx.TransportError) else str(exc)
-            delay = min(MAX_DELAY_S, BASE_DELAY_S * 2 ** (tries - 1))
+            delay = self.policy.backoff(tries, self._rng)
             spent = time.monotonic() - started
-            if spent + delay > self.retry_for:
+            if self.policy.exhausted(tries, spent + delay):
                 raise JobFailed(f"{what}: {problem} (gave up after {tries} attempt(s) in {spent:.0f} s, "
                                 "--retry-for); every batch submitted is recorded: re-run the same command to resume")
-            say(f"{what}: {problem}; trying again in {delay:.1f} s")
+            notice(f"{what}: {problem}; trying again in {delay:.1f} s")
             if sleep_unless(self.stop, delay):
                 raise Stopped
             if find is not None and (found := find()) is not None:
@@ -306,12 +306,10 @@ def _json(reply: httpx.Response) -> Any:
 
 def _error_message(reply: httpx.Response) -> str:
     try:
-        error = reply.json().get("error")
-    except (ValueError, AttributeError):
-        error = None
-    if isinstance(error, dict) and error.get("message"):
-        return str(error["message"])
-    return reply.text.strip()[:300] or "(empty body)"
+        body = reply.json()
+    except ValueError:
+        body = None
+    return error_message(body, reply.text)
 
 
 # ---- rows back into the job -----------------------------------------------------------------------
@@ -321,8 +319,8 @@ def hand_row(sink: ResultSink, request: BatchRequest, row: dict[str, Any]) -> bo
     response = row.get("response") or {}
     error = row.get("error")
     if error:
-        code = str(error.get("code") or "batch_error")
-        message = _LINE_PREFIX.sub("", str(error.get("message") or ""))
+        code = str(error.get("code") or ErrorCode.BATCH_ERROR)
+        message = _PART_LINE.sub("", str(error.get("message") or ""))
         if code in RENAMED_CODES:
             code, message = RENAMED_CODES[code], f"{code}: {message}"
         sink.error(request, code, message, response or None)
@@ -332,18 +330,12 @@ def hand_row(sink: ResultSink, request: BatchRequest, row: dict[str, Any]) -> bo
         sink.result(request, body, response.get("request_id"))
         return True
     if status == 200:
-        sink.error(request, "bad_response", "HTTP 200 without a completion body", response)
+        sink.error(request, ErrorCode.BAD_RESPONSE, "HTTP 200 without a completion body", response)
         return False
-    code = "rate_limited" if status == 429 else "server_error" if not isinstance(status, int) or status >= 500 \
-        else f"http_{status}"
-    error = body.get("error") if isinstance(body, dict) else None
-    message = error.get("message") if isinstance(error, dict) else error
-    sink.error(request, code, f"HTTP {status}: {message or json.dumps(body)[:300]}", response)
+    message = error_message(body, json.dumps(body))
+    sink.error(request, code_of_status(status), f"HTTP {status}: {message}", response)
     return False
 
-
-def say(text: str) -> None:
-    print(f"tokenmill run: {text}", file=sys.stderr)  # above the progress bar (rich redirects stderr)
 
 
 def sleep_unless(stop: StopFlag, seconds: float) -> bool:
@@ -371,8 +363,7 @@ class BatchApiBackend:
     kind = "batch-api"
 
     def __init__(self, spec: BatchApiSpec) -> None:
-        base = spec.url.rstrip("/")
-        self.base_url = base[: -len("/v1")] if base.endswith("/v1") else base  # API paths start with /v1
+        self.base_url = api_root(spec.url)
         self.spec = spec
         self.model = spec.model or "as in each request"
         self._state_path: Path | None = None
@@ -419,7 +410,7 @@ class _BatchJob:
         self._take(requests)
         self._resume_recorded()
         self._poll()
-        say(f"every part merged ({len(self.state.parts)} in all)")
+        notice(f"every part merged ({len(self.state.parts)} in all)")
 
     def _take(self, requests: Iterator[BatchRequest]) -> None:
         splitter = PartSplitter(self.spec.max_requests_per_part, self.spec.max_bytes_per_part, self._spool,
@@ -432,7 +423,7 @@ class _BatchJob:
                 if owner is not None:
                     self.held[owner].append(request)  # its batch was submitted by an earlier run
                 elif (problem := splitter.add(request)) is not None:
-                    self.sink.error(request, TOO_LARGE, problem)
+                    self.sink.error(request, ErrorCode.REQUEST_TOO_LARGE, problem)
             splitter.finish()
         finally:
             splitter.drop()
@@ -458,7 +449,7 @@ class _BatchJob:
                 "metadata": part_metadata(self.state.key, record.number)}
         batch = self.api.create(body, lambda: self._find(record))
         self.state.update(record, batch_id=batch["id"], status=SUBMITTED)
-        say(f"part {record.number}: {len(record.lines)} request(s), {size:,} bytes → batch {batch['id']}")
+        notice(f"part {record.number}: {len(record.lines)} request(s), {size:,} bytes → batch {batch['id']}")
 
     def _find(self, record: PartRecord) -> dict[str, Any] | None:
         return self.api.find(part_metadata(self.state.key, record.number), record.recorded_at - ADOPT_SLACK_S)
@@ -474,10 +465,10 @@ class _BatchJob:
                 self.state.update(record, status=MERGED)
                 continue
             if record.batch_id is not None:
-                say(f"part {number}: waiting for batch {record.batch_id} (submitted by an earlier run)")
+                notice(f"part {number}: waiting for batch {record.batch_id} (submitted by an earlier run)")
             elif (batch := self._find(record)) is not None:
                 self.state.update(record, batch_id=batch["id"], status=SUBMITTED)
-                say(f"part {number}: adopted batch {batch['id']}, created before the earlier run stopped")
+                notice(f"part {number}: adopted batch {batch['id']}, created before the earlier run stopped")
             else:
                 self._resubmit(record, held)
             self.inflight[number] = _InFlight(record, {r.custom_id: r for r in held})
@@ -502,7 +493,7 @@ class _BatchJob:
                     del self.inflight[number]
                 elif batch["status"] != flight.status:
                     counts = batch.get("request_counts") or {}
-                    say(f"part {number}: batch {batch['id']} {batch['status']} "
+                    notice(f"part {number}: batch {batch['id']} {batch['status']} "
                         f"({counts.get('completed', 0) + counts.get('failed', 0)}/{counts.get('total', '?')})")
                 flight.status = batch["status"]
             if self.inflight and sleep_unless(self.stop, self.spec.poll_s):
@@ -522,19 +513,19 @@ class _BatchJob:
         status = batch["status"]
         why = "; ".join(str(e.get("message")) for e in ((batch.get("errors") or {}).get("data") or [])[:3])
         for request in pending.values():
-            self.sink.error(request, UNANSWERED.get(status, "server_error"),
+            self.sink.error(request, UNANSWERED.get(status, ErrorCode.SERVER_ERROR),
                             f"batch {batch['id']} ended {status} without answering it" + (f" ({why})" if why else ""))
         self.state.update(flight.record, status=MERGED)
-        say(f"part {flight.record.number}: batch {batch['id']} {status}: {results} result(s), "
+        notice(f"part {flight.record.number}: batch {batch['id']} {status}: {results} result(s), "
             f"{errors + len(pending)} error(s)")
 
     def say_left_running(self) -> None:
         running = [p for p in self.state.unmerged() if p.batch_id is not None]
         unsure = [p.number for p in self.state.unmerged() if p.batch_id is None]
         if running:
-            say(f"stopped: {len(running)} batch(es) keep running on the server "
+            notice(f"stopped: {len(running)} batch(es) keep running on the server "
                 f"({', '.join(str(p.batch_id) for p in running)}); re-run the same command to collect their "
                 f"results (the ids are in {self.state.path})")
         if unsure:
-            say(f"part(s) {', '.join(map(str, unsure))} stopped while being submitted: a re-run adopts their "
+            notice(f"part(s) {', '.join(map(str, unsure))} stopped while being submitted: a re-run adopts their "
                 "batches if they were created, else submits them")

@@ -31,7 +31,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tokenmill.jobs.output import answer_of, finish_reason_of
+from tokenmill.jobs.journal.rows import answer_of, finish_reason_of
 
 SCHEMA = pa.schema([
     ("id", pa.string()), ("custom_id", pa.string()), ("status_code", pa.int32()), ("request_id", pa.string()),

@@ -29,146 +29,56 @@ import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from functools import cached_property, partial
+from functools import partial
 from typing import IO, Any
 
 import numpy as np
 import orjson
 
-from tokenmill.engine import DEFAULT_MAX_TOKENS, MAX_LOGPROBS
 from tokenmill.jobs import storage
-from tokenmill.jobs.seen_ids import SeenIds
+from tokenmill.jobs.input.request import BatchRequest, DocumentOptions, Entry, InputError, LineError
+from tokenmill.jobs.input.seen_ids import SeenIds
 from tokenmill.jobs.storage import Location
 from tokenmill.openai_compat import (
     CHAT_URL,
     COMPLETIONS_URL,
-    MAX_COMPLETION_LOGPROBS,
     SUPPORTED_URLS,
-    OpenAIRequest,
     RequestError,
     check_fields,
     check_string,
     check_text,
-    parse_request,
     printable,
-    requested_max_tokens,
     structured_outputs_fields,
 )
 
 FORMATS = ("auto", "batch", "jsonl", "text", "csv")
+
+
 TEXT_SUFFIXES = (".txt", ".text", ".md")
+
+
 JSON_LINES_SUFFIXES = (".jsonl", ".ndjson", ".json")  # never read as text, whatever their first line
+
+
 BATCH_KEYS = frozenset({"custom_id", "body", "url", "method"})  # a line with one is in the batch format
+
+
 SIMPLE_KEYS = frozenset({"prompt", "messages"})  # … else with one of these, the simple form
+
+
 CSV_DELIMITERS = {".csv": ",", ".tsv": "\t"}  # by suffix; any other file read as CSV is comma-separated
+
+
 PROMPT_COLUMNS = ("prompt", "text")  # a CSV's prompt column when --prompt-column names none
+
+
 ID_COLUMNS = ("custom_id", "id")  # … and its id column, if it has one
+
+
 _DIGITS_AS_ZERO, _LONG_NUMBER = bytes.maketrans(b"0123456789", b"0" * 10), b"0" * 20
+
+
 IDENTITY_SAMPLE = 1 << 20  # bytes hashed at each end of the input to name it (input_identity)
-
-
-class LineError(ValueError):
-    """One bad input line; the message has no line prefix (`InputError` adds it)."""
-
-
-@dataclass(frozen=True)
-class DocumentOptions:
-    """How documents become requests, and what fills the gaps in every request body."""
-
-    system: str | None = None  # a system message for documents (and messages without one)
-    template: str | None = None  # the user message, with "{text}" where the document goes
-    max_tokens: int | None = None  # None: DEFAULT_MAX_TOKENS, for every backend alike
-    temperature: float | None = None
-    model: str | None = None  # sets body["model"] (what an endpoint serves the request with)
-    prompt_column: str | None = None  # CSV: the prompt's column (default: the first of PROMPT_COLUMNS)
-    id_column: str | None = None  # CSV: the custom_id's column (default: the first of ID_COLUMNS, else line-N)
-    completions: bool = False  # documents as /v1/completions prompts instead of chat
-    # The body field(s) asking for a structured output (openai_compat.structured_outputs_body), for
-    # every body that asks for none of its own.
-    structured_outputs: dict[str, Any] | None = None
-    # Each answer token's logprob and this many alternatives, asked in each body's own words (chat:
-    # logprobs + top_logprobs; completions: logprobs), for every body that asks for none of its own.
-    logprobs: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.template is not None and "{text}" not in self.template:
-            raise ValueError(f'--template must contain "{{text}}" where the document goes, got {self.template!r}')
-        if self.max_tokens is not None and self.max_tokens <= 0:
-            raise ValueError(f"--max-tokens must be positive, got {self.max_tokens}")
-        if self.temperature is not None and self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.completions and self.logprobs is not None and self.logprobs > MAX_COMPLETION_LOGPROBS:
-            raise ValueError(f"--logprobs {self.logprobs} with --completions: /v1/completions takes at most "
-                             f"{MAX_COMPLETION_LOGPROBS} alternatives (OpenAI's limit); chat takes {MAX_LOGPROBS}")
-
-    def fingerprint(self) -> dict[str, Any]:
-        """The options that change what a request asks for (hence its result)."""
-        settings: dict[str, Any] = {
-            "system": self.system, "template": self.template, "max_tokens": self.max_tokens,
-            "temperature": self.temperature, "body_model": self.model, "completions": self.completions,
-        }
-        # Only when set: jobs from before these options still resume.
-        later: dict[str, Any] = {
-            "structured_outputs": self.structured_outputs, "prompt_column": self.prompt_column,
-            "id_column": self.id_column, "logprobs": self.logprobs,
-        }
-        settings.update({name: value for name, value in later.items() if value is not None})
-        return settings
-
-    @property
-    def default_max_tokens(self) -> int:
-        """What a body without max_tokens gets."""
-        return self.max_tokens or DEFAULT_MAX_TOKENS
-
-
-@dataclass(frozen=True)
-class BatchRequest:
-    line: int  # 1-based line number in the input file
-    custom_id: str
-    url: str  # CHAT_URL or COMPLETIONS_URL
-    body: dict[str, Any]
-    max_tokens_defaulted: bool = False  # the line gave no max_tokens: DocumentOptions.default_max_tokens
-    metadata: dict[str, str] | None = None  # a CSV row's other columns, written back with its result
-
-    @property
-    def max_tokens(self) -> int:
-        return requested_max_tokens(self.body)
-
-    @cached_property
-    def structured(self) -> bool:
-        """Asks for a structured output (its answer is cut short, not valid, if it ends by max_tokens)."""
-        return bool(structured_outputs_fields(self.body))
-
-    @cached_property
-    def parsed(self) -> OpenAIRequest:
-        """The body read and checked for an in-process engine, once (RequestError if it cannot
-        serve it). Its field types and ranges are not checked again: `_check_body` did that."""
-        return parse_request(self.url, self.body, fields_checked=True)
-
-
-@dataclass(frozen=True)
-class InputError:
-    line: int
-    custom_id: str | None  # None when the line has no readable id
-    reason: str
-
-    @property
-    def message(self) -> str:
-        return f"line {self.line}: {self.reason}"
-
-
-@dataclass(frozen=True)
-class Entry:
-    """What the validation pass keeps of a good line."""
-
-    line: int
-    offset: int  # byte offset of the line in the file
-    custom_id: str
-    cost: int  # rough size in tokens (prompt bytes / 4 + max_tokens), for length buckets
-    structured: bool = False  # BatchRequest.structured
-    max_tokens_defaulted: bool = False  # BatchRequest.max_tokens_defaulted
 
 
 @dataclass
@@ -748,3 +658,4 @@ def _readable_id(raw: bytes, fmt: str) -> str | None:
 def _json_type(value: Any) -> str:
     names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}
     return names.get(type(value), "a number")
+

@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 
-from tokenmill.gguf_header import DEFAULT_ALIGNMENT, MAX_KEPT_ARRAY, read_gguf_header
+from tokenmill.formats.gguf_header import DEFAULT_ALIGNMENT, MAX_KEPT_ARRAY, read_gguf_header
 
 LONG = MAX_KEPT_ARRAY + 1
 

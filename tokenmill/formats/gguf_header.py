@@ -1,4 +1,5 @@
-"""The header of a GGUF file (llama.cpp's format): metadata, tensor infos and where the data starts.
+"""The header of a GGUF file (llama.cpp's format): metadata, tensor infos and where the data starts,
+and the tensors' bytes located from it.
 
 Parsed here rather than by `gguf.GGUFReader`, which builds a numpy view of every element of every
 metadata array (15-19 s for Gemma 3's 262k-token vocabulary on 2 cores, 9 s of SmolLM2's 12 s
@@ -6,8 +7,8 @@ load). Arrays longer than MAX_KEPT_ARRAY are the vocabulary (tokens, scores, mer
 stepped over without being decoded, since only the tokenizer needs them and transformers builds it
 from the file separately. Layout: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md.
 
-A bottom-floor module (it imports nothing from tokenmill): the model loader and the planner both
-read headers with it.
+numpy and `gguf` only, no torch: the model loader, `tokenmill info` and the planner all read
+headers with it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MAX_KEPT_ARRAY = 4096  # longer metadata arrays are skipped; small ones (per-layer values) are kept
 DEFAULT_ALIGNMENT = 32  # of the data section, unless general.alignment says otherwise
@@ -170,3 +174,24 @@ def _tensor_info(name: str, shape: tuple[int, ...], ggml_type: int, start: int, 
     if start + n_bytes > file_size:
         raise ValueError(f"tensor {name!r} runs past the end of the file (truncated?)")
     return TensorInfo(name, shape, ggml_type, n_elements, n_bytes, start)
+
+
+def file_bytes(header: GGUFHeader) -> np.ndarray:
+    """The whole file, memory-mapped: tensors are views of it until they are dequantised."""
+    import numpy as np  # here, not above: a planner reading only presets never loads numpy
+
+    return np.memmap(header.path, dtype=np.uint8, mode="r")
+
+
+def tensor_bytes(info: TensorInfo, data: np.ndarray) -> np.ndarray:
+    """Its bytes, one row per innermost row (what gguf.quants.dequantize takes); not yet copied."""
+    raw = data[info.data_offset : info.data_offset + info.n_bytes]
+    return raw.reshape(*reversed(info.shape[1:]), info.row_bytes)
+
+
+def dequantize(info: TensorInfo, data: np.ndarray) -> np.ndarray:
+    """fp32 values, outermost dimension first (the HF layout), as transformers' loader gets them."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as dequantize_blocks
+
+    return dequantize_blocks(tensor_bytes(info, data), GGMLQuantizationType(info.ggml_type))

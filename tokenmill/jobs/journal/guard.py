@@ -25,7 +25,7 @@ from types import TracebackType
 from typing import Any
 
 from tokenmill.jobs import storage
-from tokenmill.jobs.output import JobError
+from tokenmill.jobs.errors import JobError
 from tokenmill.jobs.storage import Location
 
 

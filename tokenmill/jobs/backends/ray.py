@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine import EngineConfig
-from tokenmill.jobs.backend import (
+from tokenmill.jobs.backends.base import (
     Abortable,
     Backend,
     BackendStats,
@@ -34,12 +34,14 @@ from tokenmill.jobs.backend import (
     SharesMachine,
     StopFlag,
 )
-from tokenmill.jobs.output import WORKER_ERROR, IndexEntry, JobError, JobFailed
-from tokenmill.jobs.spec import BatchRequest
+from tokenmill.jobs.errors import JobError, JobFailed
+from tokenmill.jobs.input.request import BatchRequest
+from tokenmill.jobs.journal.index import IndexEntry
+from tokenmill.jobs.journal.rows import ErrorCode
 from tokenmill.vllm_engine.config import VllmConfig
 
 if TYPE_CHECKING:
-    from tokenmill.jobs.endpoint import EndpointSpec
+    from tokenmill.jobs.backends.endpoint import EndpointSpec
 
 INSTALL_HINT = "pip install 'tokenmill[ray]'"
 POLL_S = 0.1  # how often the driver looks at Ctrl-C while it waits for rows
@@ -337,7 +339,7 @@ def serve_batch(backend: Backend, requests: list[BatchRequest]) -> tuple[list[di
             stats.add(backend.run(iter([request]), sink, StopFlag()))
         except Exception as exc:
             _abort(backend, [request])
-            sink.error(request, WORKER_ERROR, f"the worker's backend failed on this request: "
+            sink.error(request, ErrorCode.WORKER_ERROR, f"the worker's backend failed on this request: "
                                               f"{type(exc).__name__}: {exc}")
     return rows, stats
 

@@ -1,0 +1,86 @@
+"""kernels.py's ctypes declarations against the C they call, read from csrc/: ctypes trusts them, so
+an argument typed wrongly (an int where C takes an int64_t, a missing one) passes garbage rather
+than failing, and a struct field out of place moves every field after it."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import pytest
+
+from tokenmill.models import kernels
+
+CSRC = Path(kernels.__file__).with_name("csrc")
+# What kernels.py passes for each C type: every pointer as a void pointer (a tensor's data_ptr()).
+SCALARS: dict[str, type] = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
+
+
+def _source() -> str:
+    """Every csrc/ file, comments and preprocessor lines left out."""
+    text = "\n".join(p.read_text() for p in sorted(CSRC.glob("*.[ch]")))
+    text = re.sub(r"/\*.*?\*/|//[^\n]*", " ", text, flags=re.DOTALL)
+    return re.sub(r"(?m)^\s*#.*$", "", text)
+
+
+def _ctype(declaration: str, structs: dict[str, type] | None = None) -> type:
+    """The ctypes type of `const float *x`, `int64_t window`, `QuantLinear qkv`, ... (the name left out)."""
+    if "*" in declaration or "[" in declaration:
+        return ctypes.c_void_p
+    words = [w for w in declaration.split() if w != "const"]
+    base = " ".join(words[:-1])
+    known = {**SCALARS, **(structs or {})}
+    assert base in known, f"no ctypes type for C type {base!r} ({declaration.strip()!r}): add it to SCALARS"
+    return known[base]
+
+
+def c_prototypes(name: str) -> list[tuple[type, list[type]]]:
+    """(restype, argtypes) of each definition of exported function `name` (several under #if branches)."""
+    pattern = rf"(?m)^([A-Za-z_][\w \t\*]*?)\b{name}\s*\(([^)]*)\)\s*\{{"
+    found = []
+    for ret, params in re.findall(pattern, _source()):
+        assert "static" not in ret.split(), f"{name} is static: not exported"
+        args = [] if params.strip() in ("", "void") else [_ctype(p) for p in params.split(",")]
+        found.append((_ctype(f"{ret} {name}"), args))
+    return found
+
+
+def c_struct(name: str, structs: dict[str, type]) -> list[tuple[str, type]]:
+    """The fields of `typedef struct { ... } name;`, in order."""
+    match = re.search(rf"typedef\s+struct\s*\{{([^}}]*)\}}\s*{name}\s*;", _source())
+    assert match, f"no typedef struct {name} in csrc/"
+    fields = []
+    for statement in filter(str.strip, match.group(1).split(";")):
+        first, *more = statement.split(",")  # `const void *weight, *scale, *min`
+        base = re.match(r"\s*((?:const\s+)?\w+)", first)
+        assert base
+        for declarator in [first[base.end():], *more]:
+            field = re.sub(r"[\s*]", "", declarator)
+            fields.append((field, _ctype(f"{base.group(1)} {declarator}", structs)))
+    return fields
+
+
+@pytest.mark.parametrize("name", sorted(kernels.SIGNATURES))
+def test_each_declared_signature_is_the_c_prototype(name: str) -> None:
+    lib = kernels.library()
+    assert lib is not None, "the kernels must build where the tests run (gcc is there)"
+    fn = getattr(lib, name)
+    prototypes = c_prototypes(name)
+    assert prototypes, f"{name}: no definition in csrc/"
+    for restype, argtypes in prototypes:
+        assert fn.restype is restype, f"{name} returns {restype.__name__} in C, {fn.restype} in kernels.py"
+        declared, wanted = [t.__name__ for t in fn.argtypes], [t.__name__ for t in argtypes]
+        assert declared == wanted, f"{name}: kernels.py declares {declared}, csrc/ takes {wanted}"
+
+
+STRUCTS = {name: value for name, value in vars(kernels).items()
+           if isinstance(value, type) and issubclass(value, ctypes.Structure) and value is not ctypes.Structure}
+
+
+@pytest.mark.parametrize("name", sorted(STRUCTS))
+def test_each_struct_has_the_c_fields_in_order(name: str) -> None:
+    declared = [(field, t.__name__) for field, t in STRUCTS[name]._fields_]
+    wanted = [(field, t.__name__) for field, t in c_struct(name, STRUCTS)]
+    assert declared == wanted, f"{name}: kernels.py has {declared}, csrc/ {wanted}"
+
