@@ -47,9 +47,11 @@ def test_bad_lines_are_recorded_and_the_good_ones_run(tmp_path: Path, echo: Echo
     out = tmp_path / "out"
     assert [r["custom_id"] for r in read_jsonl(out / "results.jsonl")] == ["a", "e"]
     error_rows = read_jsonl(out / "errors.jsonl")
-    # OpenAI's error row exactly: the input line leads the message, not a field of its own.
+    # OpenAI's error row, its error with the input line as data (`line`, as OpenAI's batch errors
+    # name it), which also leads the message for whoever reads the file.
     assert all(set(e) == {"id", "custom_id", "response", "error"} for e in error_rows)
-    assert all(set(e["error"]) == {"code", "message"} for e in error_rows)
+    assert all(set(e["error"]) == {"code", "message", "line"} for e in error_rows)
+    assert all(e["error"]["message"].startswith(f"line {e['error']['line']}: ") for e in error_rows)
     errors = {(line_of(e), e["error"]["code"]) for e in error_rows}
     assert errors == {(3, "invalid_input"), (5, "invalid_input"), (6, "invalid_input"),
                       (2, "http_400"), (4, "server_error")}
