@@ -272,7 +272,6 @@ def _kind(reason: str) -> str:
 _MEASURED = re.compile(r" -?\d[\d.e+-]*(?= <)")
 
 
-
 @contextlib.contextmanager
 def _writing(path: Path) -> Iterator[Callable[[dict[str, Any]], None]]:
     """A JSONL file written whole (storage.replacing): yields the function that writes a row."""

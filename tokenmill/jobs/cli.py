@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 __all__ = ["add_arguments", "run"]
 
 
-
 def run(args: argparse.Namespace) -> int:
     from tokenmill.jobs.backends.base import BackendUnavailable
     from tokenmill.jobs.backends.build import build_backend

@@ -11,8 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import orjson
-
+from tokenmill.jobs.journal.files import parse_row
 from tokenmill.jobs.journal.paths import OutputPaths
 from tokenmill.jobs.journal.rows import ErrorCode, answer_of, error_row, finish_reason_of, is_final, usage_of
 
@@ -25,13 +24,7 @@ def read_rows(path: Path) -> Iterator[dict[str, Any]]:
     if not path.exists():
         return
     with path.open("rb") as f:
-        for line in f:
-            try:
-                row = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue
-            if isinstance(row, dict):
-                yield row
+        yield from filter(None, map(parse_row, f))
 
 
 def result_rows(output: Path) -> Iterator[dict[str, Any]]:

@@ -22,7 +22,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -32,7 +32,7 @@ from tokenmill.jobs import JobConfig, JobError, run_job
 from tokenmill.jobs.backends import StopFlag
 from tokenmill.jobs.input import DocumentOptions, InputFile, LineError, json_object_line, read_input
 from tokenmill.jobs.journal import JsonlAppender, OutputPaths
-from tokenmill.jobs.results import error_row, usage_of
+from tokenmill.jobs.results import error_row, read_rows, usage_of
 from tokenmill.jobs.storage import atomic_write_json
 from tokenmill.openai_compat import (
     BATCH_ID_PREFIX,
@@ -390,7 +390,7 @@ class BatchManager:
         done, expired = set(), 0
         job = OutputPaths.from_option(out_dir)
         for path in job.data_files:
-            for row in _rows(path):
+            for row in read_rows(path):
                 done.add(row.get("custom_id"))
                 expired += (row.get("error") or {}).get("code") == EXPIRED_CODE
         unfinished = [entry.custom_id for entry in spec.entries if entry.custom_id not in done]
@@ -492,20 +492,10 @@ def _expired_row(custom_id: str) -> dict[str, Any]:
     return error_row(custom_id, None, EXPIRED_CODE, EXPIRED_MESSAGE)
 
 
-def _rows(path: Path) -> Iterator[dict[str, Any]]:
-    """The rows of a JSONL file the job runner wrote (none if it does not exist)."""
-    if not path.exists():
-        return
-    with path.open("rb") as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
-
-
 def _usage(results: Path) -> dict[str, Any]:
     """OpenAI's batch `usage`: the tokens of every request that has a result."""
     prompt = cached = completion = 0
-    for row in _rows(results):
+    for row in read_rows(results):
         p, c, o = usage_of((row.get("response") or {}).get("body"))
         prompt, cached, completion = prompt + p, cached + c, completion + o
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": completion,

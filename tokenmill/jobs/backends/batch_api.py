@@ -337,7 +337,6 @@ def hand_row(sink: ResultSink, request: BatchRequest, row: dict[str, Any]) -> bo
     return False
 
 
-
 def sleep_unless(stop: StopFlag, seconds: float) -> bool:
     """Sleep, a little at a time; True as soon as a stop is asked for."""
     deadline = time.monotonic() + seconds

@@ -529,7 +529,6 @@ async def _wait_any(*events: asyncio.Event) -> None:
             waiter.cancel()
 
 
-
 def _describe(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 

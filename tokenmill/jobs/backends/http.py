@@ -1,6 +1,5 @@
-"""What an OpenAI-compatible server's reply means to a job, for every backend that speaks HTTP (a
-live endpoint, a provider's Batch API): the error code of a status, the message of an error body,
-and the API root of a URL."""
+"""What every backend that speaks HTTP (a live endpoint, a provider's Batch API) shares: the error
+code of a reply's status, the message of an error body, and how long and how often to try again."""
 
 from __future__ import annotations
 

@@ -72,8 +72,6 @@ def rewrite_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     atomic_write(path, b"".join(encode_row(r) for r in rows))
 
 
-
-
 # ---- appending -----------------------------------------------------------------------------------
 @dataclass
 class Appender:

@@ -32,7 +32,6 @@ def job_record(input_path: Location, identity: dict[str, Any], settings: dict[st
     }
 
 
-
 def claim_outputs(paths: OutputPaths, job: dict[str, Any], overwrite: bool) -> bool:
     """Make the output files this job's. Returns True when resuming an earlier run of it.
 

@@ -130,6 +130,3 @@ def read_index_records(index: Path, first: int, last: int) -> np.ndarray:
         return np.fromfile(f, INDEX_RECORD, last - first)
 
 
-
-
-

@@ -30,10 +30,6 @@ class ErrorCode(StrEnum):
     BAD_RESPONSE = "bad_response"  # a success without a completion body
     WORKER_ERROR = "worker_error"  # a Ray replica's backend raised on this request
 
-    @property
-    def transient(self) -> bool:
-        return self in TRANSIENT
-
 
 TRANSIENT = frozenset({ErrorCode.RATE_LIMITED, ErrorCode.SERVER_ERROR, ErrorCode.TIMEOUT, ErrorCode.CONNECTION_ERROR,
                        ErrorCode.BAD_RESPONSE, ErrorCode.WORKER_ERROR})
