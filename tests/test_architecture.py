@@ -19,24 +19,29 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tokenmill"
 
 # Each part of tokenmill/ and the parts it may import (besides itself). Arrows only point down:
 # cascade → choose; serve, choose, split → jobs → openai_compat, engines, bench → engine, vllm_engine → models,
-# plan → cost, environment, formats.
+# plan → cost, environment, formats; jobs, bench → http_client.
 LAYERS: dict[str, set[str]] = {
     "cost": set(),
     "environment": set(),
     "formats": set(),  # model files read without torch: GGUF and safetensors headers, GGUF → config
+    "settings": set(),  # dataclass fields that are also flags (stdlib only): a library type's errors name fields
+    "http_client": set(),  # the one HTTP client (aiohttp, no torch): jobs' endpoints and Batch API, bench
     "plan": {"cost", "environment", "formats"},
     "models": {"environment", "formats"},
-    "engine": {"models", "plan", "cost", "environment"},  # plan: hardware names as prices
+    "engine": {"models", "plan", "cost", "environment", "settings"},  # plan: hardware names as prices
     "vllm_engine": {"engine", "models", "environment"},  # vLLM behind the engine's interface
     "engines": {"engine", "vllm_engine", "models"},  # which in-process engine: the one loader of a spec
-    "bench": {"engines", "engine", "vllm_engine", "models", "plan", "cost", "environment", "openai_compat"},
+    "bench": {"engines", "engine", "vllm_engine", "models", "plan", "cost", "environment", "openai_compat",
+              "http_client"},
     "openai_compat": {"engine"},
-    "jobs": {"openai_compat", "engines", "engine", "vllm_engine", "models", "plan", "cost", "environment"},
+    "jobs": {"openai_compat", "engines", "engine", "vllm_engine", "models", "plan", "cost", "environment",
+             "settings", "http_client"},
     "serve": {"jobs", "openai_compat", "engines", "engine", "vllm_engine", "environment"},
     "choose": {"jobs", "openai_compat", "plan", "cost", "environment"},
     "cascade": {"choose", "jobs", "openai_compat", "plan", "cost", "environment"},  # tiers are choose's candidates
-    "split": {"jobs", "openai_compat"},  # `tokenmill split`: run's input reading and part cutting, no backend
-    "cli": set(),  # loads each command's package by name (importlib), so it imports none of them
+    # `tokenmill split`: run's input reading and part cutting, no backend
+    "split": {"jobs", "openai_compat", "settings"},
+    "cli": {"settings"},  # loads each command's package by name (importlib), so it imports none of them
     "__main__": {"cli"},
     # `from tokenmill import LLM, run_job`: the facade for users (the Python API), not for the package itself
     "__init__": {"engine", "jobs", "vllm_engine"},

@@ -18,8 +18,11 @@ from tokenmill.engine import (
 from tokenmill.openai_compat import (
     CHAT_URL,
     COMPLETIONS_URL,
+    STRUCTURED_FIELDS,
+    STRUCTURED_OUTPUTS_FIELDS,
     OpenAIRequest,
     RequestError,
+    body_fields,
     check_fields,
     check_prompt_size,
     check_structured_outputs,
@@ -349,6 +352,27 @@ def test_structured_output_refusals_name_the_field(fields: dict[str, Any], param
     with pytest.raises(RequestError) as exc:
         parse_request(CHAT_URL, {**CHAT, **fields})
     assert exc.value.param == param and words in str(exc.value)
+
+
+def test_each_structured_output_field_is_checked_by_its_table_entry() -> None:
+    """The table's check is the one `structured_outputs` reads a field with: the same setting, and
+    the same refusal, as the server's schema for it describes."""
+    by_name = {field.name: field for field in STRUCTURED_FIELDS}
+    assert tuple(by_name) == STRUCTURED_OUTPUTS_FIELDS
+    good = {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"},
+            "guided_json": SCHEMA, "guided_choice": ["a"], "guided_regex": "a", "guided_grammar": 'start: "a"'}
+    bad = {"response_format": {"type": "json_schema"}, "structured_outputs": {"json": {}, "regex": "a"},
+           "guided_json": [1], "guided_choice": ["a", 1], "guided_regex": "", "guided_grammar": 5}
+    assert good.keys() == bad.keys() == by_name.keys()
+    for name, field in by_name.items():
+        assert field.check({name: good[name]}) == structured_outputs({name: good[name]}) is not None, name
+        with pytest.raises(RequestError) as exc:
+            field.check({name: bad[name]})
+        with pytest.raises(RequestError) as read:
+            parse_request(CHAT_URL, {**CHAT, name: bad[name]})
+        assert exc.value.param == read.value.param == name and str(exc.value) == str(read.value), name
+        assert field.check({name: None}) is None and field.urls == (CHAT_URL, COMPLETIONS_URL)
+    assert {f.name for f in body_fields(COMPLETIONS_URL)} >= set(STRUCTURED_OUTPUTS_FIELDS)
 
 
 @pytest.mark.parametrize("setting", [

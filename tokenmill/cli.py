@@ -9,6 +9,8 @@ import sys
 from collections.abc import Collection, Sequence
 from importlib.metadata import version
 
+from tokenmill.settings import in_flags
+
 # subcommand -> (the package that owns it, its one-line help)
 _SUBCOMMANDS = {
     "generate": ("engine", "generate for a few prompts and report speed"),
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.handler(args))
     except (ValueError, FileNotFoundError) as exc:
-        print(f"tokenmill: error: {exc}", file=sys.stderr)
+        print(f"tokenmill: error: {in_flags(exc, args)}", file=sys.stderr)
         return 2
     except OSError as exc:  # a path a command did not check (each checks its own first): a message, not a traceback
         where = f"{exc.filename}: " if exc.filename else ""

@@ -7,17 +7,21 @@ becomes the response body with its `usage`. Batch jobs, the server and its Batch
 through here, so one body gets the same answer, and the same refusal naming the same field, on
 every path.
 
-To support a new body field: give it an entry in `SAMPLING_FIELDS` (its schema and check, which the
-server's OpenAPI document and every batch line share) and read it in `sampling_params`; or refuse it
-in `UNSUPPORTED_FIELDS`.
+Each body field read is written once, as a `BodyField` (its JSON schema and its check), which the
+server's request bodies and OpenAPI document are built from (`body_fields`). To support a new one:
+a sampling field is an entry in `SAMPLING_FIELDS` (checked on every line of every job by
+`check_fields`) and its line in `sampling_params`; a new way to ask for a structured output, an
+entry in `STRUCTURED_FIELDS` with its reader (the value → StructuredOutputsParams' arguments;
+checked by `structured_outputs` wherever tokenmill's engine serves the body). Or refuse it in
+`UNSUPPORTED_FIELDS`.
 
 Log-probabilities are asked for in each endpoint's own words (chat: `logprobs: true` with
 `top_logprobs: N`; completions: `logprobs: N`), become `SamplingParams.logprobs`, and come back in
 that endpoint's own shape (`response_body`), each token shown as its text decoded alone.
 
 A structured output (a JSON schema, JSON mode, a choice, a regex, a grammar) comes from one of
-`STRUCTURED_OUTPUTS_FIELDS`: OpenAI's `response_format` or one of vLLM's extensions, so that
-files written for vLLM run unchanged. Its shape is checked here; whether it compiles is the
+`STRUCTURED_FIELDS`: OpenAI's `response_format` or one of vLLM's extensions, so that files
+written for vLLM run unchanged. Its shape is checked here; whether it compiles is the
 engine's to say, and `check_structured_outputs` names the field it came from.
 """
 
@@ -237,13 +241,14 @@ def template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
 
 @dataclass(frozen=True)
 class BodyField:
-    """A sampling field of a body, written once: its JSON schema (what the server's OpenAPI
-    document shows) and its check (what every batch line and live request is held to, with the
-    same message), on the endpoints that take it."""
+    """A field of a body, written once: its JSON schema (what the server's OpenAPI document shows)
+    and its check (what every batch line and live request is held to, with the same message), on
+    the endpoints that take it. The check takes the body and raises RequestError naming the field;
+    a structured-output field's also returns the setting it read."""
 
     name: str
     schema: dict[str, Any]
-    check: Callable[[dict[str, Any]], None]
+    check: Callable[[dict[str, Any]], object]
     urls: tuple[str, ...] = SUPPORTED_URLS
 
 
@@ -409,42 +414,50 @@ def sampling_params(body: dict[str, Any], *, url: str = CHAT_URL, fields_checked
 
 
 # ---- structured outputs -------------------------------------------------------------------------
-# The body fields that ask for a structured output: OpenAI's, then vLLM's (`structured_outputs`,
-# and the older `guided_*`). A body uses at most one of them.
-STRUCTURED_OUTPUTS_FIELDS = (
-    "response_format", "structured_outputs", "guided_json", "guided_choice", "guided_regex", "guided_grammar",
-)
+# OpenAI's `response_format` and vLLM's fields (`structured_outputs`, and the older `guided_*`) each
+# ask for one of these kinds; a body uses at most one field.
 STRUCTURED_OUTPUTS_KINDS = tuple(f.name for f in fields(StructuredOutputsParams))  # json, json_object, choice, ...
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
-# response_format.json_schema's fields beside `schema`: their types, and how a message says them.
-JSON_SCHEMA_OPTIONS = (("name", str, "a string"), ("description", str, "a string"), ("strict", bool, "true or false"))
+# response_format.json_schema's fields beside `schema`, by JSON type: ignored here, yet of their type.
+JSON_SCHEMA_OPTIONS = {"name": "string", "description": "string", "strict": "boolean"}
+_JSON_TYPES: dict[str, tuple[type, str]] = {"string": (str, "a string"), "boolean": (bool, "true or false")}
 
 
 def structured_outputs_fields(body: dict[str, Any]) -> list[str]:
-    """The fields of `body` that ask for a structured output. `response_format: {"type": "text"}`
-    asks for none: it is OpenAI's default, said out loud."""
-    return [name for name in STRUCTURED_OUTPUTS_FIELDS if body.get(name) is not None
-            and not (name == "response_format" and isinstance(body[name], dict) and body[name].get("type") == "text")]
+    """The fields of `body` that ask for a structured output."""
+    return [name for name in STRUCTURED_OUTPUTS_FIELDS if _asks_for_one(name, body.get(name))]
+
+
+def _asks_for_one(name: str, value: Any) -> bool:
+    # Null is absent; `response_format: {"type": "text"}` asks for none: it is OpenAI's default, said out loud.
+    return value is not None and not (name == "response_format" and isinstance(value, dict)
+                                      and value.get("type") == "text")
 
 
 def structured_outputs(body: dict[str, Any]) -> StructuredOutputsParams | None:
     """The body's structured-output setting (None when it asks for none); RequestError names the
     field, e.g. `body.response_format.json_schema.schema`, for a wrong shape or two fields set."""
     names = structured_outputs_fields(body)
-    if not names:
-        return None
     if len(names) > 1:
         raise RequestError(f"body.{names[0]} and body.{names[1]} both ask for a structured output: give one",
                            names[0])
-    name = names[0]
-    if name == "response_format":
-        settings = _response_format(body[name])
-    elif name == "structured_outputs":
-        settings = _vllm_structured_outputs(body[name])
-    else:
-        settings = {name.removeprefix("guided_"): body[name]}
+    if not names:
+        return None
+    setting = _STRUCTURED_BY_NAME[names[0]].check(body)  # the field's entry in STRUCTURED_FIELDS: its one check
+    assert isinstance(setting, StructuredOutputsParams)  # the field asks for one (`names`)
+    return setting
+
+
+def _structured_setting(body: dict[str, Any], *, name: str,
+                        read: Callable[[Any], dict[str, Any]]) -> StructuredOutputsParams | None:
+    """A STRUCTURED_FIELDS entry's check: the setting the body's field `name` asks for, read by
+    `read` (its value → StructuredOutputsParams' arguments) and held to StructuredOutputsParams'
+    rules. None when it asks for none."""
+    value = body.get(name)
+    if not _asks_for_one(name, value):
+        return None
     try:
-        return StructuredOutputsParams(**settings)
+        return StructuredOutputsParams(**read(value))
     except ValueError as exc:
         raise _named(str(exc), name) from None
 
@@ -490,8 +503,9 @@ def _response_format(value: Any) -> dict[str, Any]:
     if not isinstance(spec, dict):
         raise RequestError(f'body.response_format.json_schema must be an object with a "schema", got {_show(spec)}',
                            "response_format")
-    for name, kind, said in JSON_SCHEMA_OPTIONS:
-        if spec.get(name) is not None and not isinstance(spec[name], kind):
+    for name, json_type in JSON_SCHEMA_OPTIONS.items():
+        python_type, said = _JSON_TYPES[json_type]
+        if spec.get(name) is not None and not isinstance(spec[name], python_type):
             raise RequestError(f"body.response_format.json_schema.{name} must be {said}, got {_show(spec[name])}",
                                "response_format")
     schema = spec.get("schema")
@@ -526,6 +540,69 @@ def _named(message: str, name: str) -> RequestError:
     else:
         where = f"body.{name}"
     return RequestError(where + message[match.end():] if match else f"{where}: {message}", name)
+
+
+def _structured_field(name: str, schema: dict[str, Any], description: str,
+                      read: Callable[[Any], dict[str, Any]]) -> BodyField:
+    return BodyField(name, {**schema, "description": description},
+                     functools.partial(_structured_setting, name=name, read=read))
+
+
+def _guided(kind: str) -> Callable[[Any], dict[str, Any]]:
+    """How `guided_<kind>` reads: its value is `structured_outputs.<kind>`'s."""
+    return lambda value: {kind: value}
+
+
+_TEXT_SCHEMA = {"type": "string", "minLength": 1}
+# Each kind's value (StructuredOutputsParams' rules), as `structured_outputs.<kind>` and `guided_<kind>` take it.
+_KIND_SCHEMAS: dict[str, dict[str, Any]] = {
+    "json": {"anyOf": [{"type": "object"}, {"type": "string"}], "description": "a JSON schema, or its text"},
+    "json_object": {"type": "boolean", "description": "true: any JSON object"},
+    "choice": {"type": "array", "items": _TEXT_SCHEMA, "minItems": 1, "description": "exactly one of these strings"},
+    "regex": {**_TEXT_SCHEMA, "description": "a full match of this regular expression (Rust regex syntax)"},
+    "grammar": {**_TEXT_SCHEMA, "description": "a sentence of this Lark or GBNF grammar"},
+}
+
+_RESPONSE_FORMAT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "type": {"type": "string", "enum": list(RESPONSE_FORMAT_TYPES)},
+        "json_schema": {
+            "type": "object",
+            "properties": {"schema": {"type": "object", "description": "the JSON schema the answer follows"},
+                           **{name: {"type": json_type} for name, json_type in JSON_SCHEMA_OPTIONS.items()}},
+            "required": ["schema"],
+            "description": 'with "type": "json_schema". `name` (required by OpenAI) may be left out; `strict` is '
+                           "accepted and ignored: the schema is always enforced",
+        },
+    },
+    "required": ["type"],
+}
+
+# The body fields that ask for a structured output: OpenAI's, then vLLM's. Their checks are the
+# engine's rules, run by `structured_outputs` wherever a body reaches tokenmill's engine (a live
+# request, a Batch API line, an embedded job's line), not by `check_fields`: a job's --endpoint
+# server gets them as written and may take options tokenmill does not.
+STRUCTURED_FIELDS = (
+    _structured_field("response_format", _RESPONSE_FORMAT_SCHEMA,
+                      'OpenAI\'s: "json_schema", "json_object" (any JSON object), or "text" (as if not given)',
+                      _response_format),
+    _structured_field("structured_outputs", {"type": "object", "properties": _KIND_SCHEMAS, "minProperties": 1,
+                                             "maxProperties": 1, "additionalProperties": False},
+                      "vLLM's: one of these (its other options would change the answer: refused)",
+                      _vllm_structured_outputs),
+    *(_structured_field(f"guided_{kind}", schema, f"vLLM's older name for structured_outputs.{kind}: "
+                                                  f"{schema['description']}", _guided(kind))
+      for kind, schema in _KIND_SCHEMAS.items() if kind != "json_object"),
+)
+STRUCTURED_OUTPUTS_FIELDS = tuple(f.name for f in STRUCTURED_FIELDS)
+_STRUCTURED_BY_NAME = {f.name: f for f in STRUCTURED_FIELDS}
+
+
+def body_fields(url: str) -> tuple[BodyField, ...]:
+    """Every field the endpoint reads beyond its prompt or messages: what the server's request
+    body declares."""
+    return tuple(f for f in SAMPLING_FIELDS + STRUCTURED_FIELDS if url in f.urls)
 
 
 def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:

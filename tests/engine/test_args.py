@@ -77,7 +77,8 @@ def test_help_shows_the_dataclass_defaults(command: str) -> None:
     for name in sorted(set(FIELDS) - EXCLUDED[command]):
         default = DEFAULTS.get(command, {}).get(name, FIELDS[name].default)
         if default is not None:
-            shown = ("on" if default else "off") if isinstance(default, bool) else default
+            shown = (("on" if default else "off") if isinstance(default, bool)
+                     else f"{default:g}" if isinstance(default, float) else default)
             assert actions[name].help.endswith(f"(default: {shown})"), (command, name, actions[name].help)
 
 
@@ -128,11 +129,11 @@ def test_a_gpu_the_machine_lacks_is_refused_before_any_loading(capsys: pytest.Ca
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count:
-        with pytest.raises(ValueError, match=rf"--device cuda:{count}: this machine has {count} GPU\(s\)"):
+        with pytest.raises(ValueError, match=rf"device cuda:{count}: this machine has {count} GPU\(s\)"):
             EngineConfig(device=f"cuda:{count}").resolved_device()
     else:
         assert main(["generate", "--device", "cuda", "a prompt"]) == 2
         assert "--device cuda: this torch" in capsys.readouterr().err
-        with pytest.raises(ValueError, match="use --device cpu, or install torch's CUDA build"):
+        with pytest.raises(ValueError, match="use device cpu, or install torch's CUDA build"):
             EngineConfig(device="cuda:0").resolved_device()
     assert EngineConfig(device="cpu").resolved_device() == torch.device("cpu")

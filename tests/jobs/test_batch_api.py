@@ -7,17 +7,26 @@ and the flags, without a server."""
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import io
 import json
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+import aiohttp
 import httpx
 import pytest
 
@@ -42,6 +51,7 @@ from tokenmill.jobs.backends.batch_api import (
 from tokenmill.jobs.backends.batch_parts import OpenPart, PartSplitter, batch_line
 from tokenmill.jobs.backends.build import build_backend
 from tokenmill.jobs.config import JobConfig
+from tokenmill.jobs.errors import JobFailed
 from tokenmill.jobs.input.reader import read_input
 from tokenmill.jobs.input.request import BatchRequest, DocumentOptions
 from tokenmill.jobs.journal.rows import is_transient
@@ -246,6 +256,369 @@ def test_a_merge_cut_short_is_finished_by_the_next_run_not_repeated(server: Runn
     assert state_of(tmp_path)["parts"][0]["status"] == "merged"
 
 
+# ---- the network failing the calls ---------------------------------------------------------------------
+class Proxy:
+    """A TCP proxy on 127.0.0.1 in front of a server, failing the next request that starts with a
+    marker (`fail`) as a network does: "cut" drops its connection once `CUT_AFTER` bytes of it went
+    through (mid-upload, for a part's file), "hold" takes it whole and never answers."""
+
+    CUT_AFTER = 600  # past the headers, short of the body
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = urlsplit(upstream)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.faults: list[tuple[bytes, str]] = []  # (marker, how), each for one request
+        self.done: list[str] = []  # the faults that happened
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def v1(self) -> str:
+        return f"http://127.0.0.1:{self.listener.getsockname()[1]}/v1"
+
+    def fail(self, marker: bytes, how: str) -> None:
+        with self._lock:
+            self.faults.append((marker, how))
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            server = socket.create_connection((self.upstream.hostname, self.upstream.port))
+            threading.Thread(target=self._to_server, args=(client, server), daemon=True).start()
+            threading.Thread(target=_pipe, args=(server, client), daemon=True).start()
+
+    def _to_server(self, client: socket.socket, server: socket.socket) -> None:
+        with client, server:
+            left: int | None = None  # bytes to pass on before the cut
+            while chunk := _recv(client):
+                how = self._fault_for(chunk) if left is None else None
+                if how == "hold":
+                    while _recv(client):
+                        pass
+                    return
+                if how == "cut":
+                    left = self.CUT_AFTER
+                if left is not None:
+                    server.sendall(chunk[:left])
+                    left -= len(chunk)
+                    if left <= 0:
+                        return
+                else:
+                    server.sendall(chunk)
+
+    def _fault_for(self, chunk: bytes) -> str | None:
+        with self._lock:
+            for i, (marker, how) in enumerate(self.faults):
+                if chunk.startswith(marker):
+                    del self.faults[i]
+                    self.done.append(how)
+                    return how
+        return None
+
+
+def _recv(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(1 << 16)
+    except OSError:
+        return b""
+
+
+def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while chunk := _recv(src):
+            dst.sendall(chunk)
+    with contextlib.suppress(OSError):
+        dst.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.fixture()
+def proxy(server: Running) -> Iterator[Proxy]:
+    running = Proxy(server.url)
+    yield running
+    running.close()
+
+
+def retried_error(stderr: str, what: str) -> type[BaseException]:
+    """The exception a call failed with, as its retry notice names it."""
+    found = re.search(rf"{what}: (\w+)\b.*; trying again in", stderr)
+    assert found, stderr
+    return getattr(aiohttp, found[1], None) or getattr(builtins, found[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("how", "flags", "error"), [
+    ("cut", [], aiohttp.ClientConnectionError),  # the connection lost mid-upload
+    ("hold", ["--timeout", "2"], TimeoutError),  # no answer within the attempt's --timeout
+])
+def test_an_upload_the_network_fails_is_sent_again_and_the_job_completes(
+    server: Running, proxy: Proxy, tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str, flags: list[str],
+    error: type[BaseException],
+) -> None:
+    path, out = reviews(tmp_path / "reviews.txt", 8), tmp_path / "out"
+    proxy.fail(b"POST /v1/files", how)
+    code = run_cli(path, "-o", out, "--endpoint", proxy.v1, "--batch-api", "--max-requests-per-part", "4", *flags,
+                   *FLAGS)
+    stderr = capsys.readouterr().err
+    assert code == 0, stderr
+    assert proxy.done == [how]
+    assert issubclass(retried_error(stderr, r"uploading tm-\w+-part-00001\.jsonl"), error), stderr
+    assert_exactly_once(out, 8)
+    assert len(read_jsonl(out / "results.jsonl")) == 8
+    parts = [b["metadata"]["tokenmill_part"] for b in server_batches(server, state_of(out)["job_key"])]
+    assert sorted(parts) == ["1", "2"]  # the part sent again made one batch
+
+
+@pytest.mark.slow
+def test_a_second_stop_aborts_the_upload_in_flight_and_a_rerun_submits_the_part(
+    server: Running, proxy: Proxy, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, out = reviews(tmp_path / "reviews.txt", 4), tmp_path / "out"
+    config = JobConfig(input=path, output=out, options=DocumentOptions(max_tokens=3, temperature=0, model=MODEL),
+                       progress=False)
+    spec = BatchApiSpec(proxy.v1, poll_s=0.2)  # an attempt may take 600 s
+    proxy.fail(b"POST /v1/files", "hold")
+    stop, outcomes = StopFlag(), []
+    worker = threading.Thread(target=lambda: outcomes.append(run_job(config, build_backend(spec), stop=stop)))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while not proxy.done:
+        assert worker.is_alive() and time.monotonic() < deadline, "no upload started"
+        time.sleep(0.01)
+    stop.request()
+    time.sleep(0.3)
+    assert worker.is_alive()  # the first stop lets the call in flight finish
+    stop.request()
+    worker.join(timeout=5)
+    assert not worker.is_alive() and outcomes[0].interrupted
+    assert "stopped while being submitted" in capsys.readouterr().err
+    assert [p["status"] for p in state_of(out)["parts"]] == ["uploading"]
+
+    assert run_job(config, build_backend(spec)).status == "done"
+    assert_exactly_once(out, 4)
+    assert [p["status"] for p in state_of(out)["parts"]] == ["merged"]
+
+
+class Counted:
+    """A `RowWriter` that counts the rows and keeps none."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def write(self, row: dict[str, Any], entry: Any = None) -> None:
+        self.count += 1
+
+
+@dataclass
+class Provider:
+    url: str  # its /v1
+    seen: list[str]  # "METHOD target" of each request, as its request line has it (a proxy's: the whole URL)
+    created: list[dict[str, Any]]  # the batches it created
+
+
+@contextlib.contextmanager
+def provider(rows: list[bytes], pause_s: float = 0.0,
+             replies: dict[str, list[tuple[int, bytes]]] | None = None) -> Iterator[Provider]:
+    """A provider's Batch API as far as one part needs it: it takes the upload, creates the batch,
+    lists none, says the batch completed, and sends its output file (`rows`) 64 KiB at a time,
+    `pause_s` apart. `replies`, by "METHOD /path": the answers (status, body) its next requests
+    get instead, one each."""
+    output = b"".join(rows)
+    found = Provider("", [], [])
+    queued = {key: list(answers) for key, answers in (replies or {}).items()}
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            if self._queued("POST"):
+                return
+            if urlsplit(self.path).path == "/v1/files":
+                self._json({"id": "file-in"})
+                return
+            found.created.append({"id": "batch_1", "status": "validating", **json.loads(body)})
+            self._json(found.created[-1])
+
+        def do_GET(self) -> None:
+            path = urlsplit(self.path).path
+            if self._queued("GET"):
+                return
+            if path == "/v1/batches":
+                self._json({"object": "list", "data": [], "has_more": False})
+            elif path != "/v1/files/file-out/content":
+                self._json({"id": "batch_1", "status": "completed", "output_file_id": "file-out"})
+            else:
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(output)))
+                self.end_headers()
+                for start in range(0, len(output), 1 << 16):
+                    self.wfile.write(output[start:start + (1 << 16)])
+                    self.wfile.flush()
+                    time.sleep(pause_s)
+
+        def _queued(self, method: str) -> bool:
+            found.seen.append(f"{method} {self.path}")
+            answers = queued.get(f"{method} {urlsplit(self.path).path}")
+            if not answers:
+                return False
+            status, raw = answers.pop(0)
+            self._send(status, raw)
+            return True
+
+        def _json(self, obj: dict[str, Any]) -> None:
+            self._send(200, json.dumps(obj).encode())
+
+        def _send(self, status: int, raw: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    found.url = f"http://127.0.0.1:{http.server_address[1]}/v1"
+    try:
+        yield found
+    finally:
+        http.shutdown()
+        http.server_close()
+
+
+def answers(requests: list[BatchRequest], text: str = "hi") -> list[bytes]:
+    """The output file's rows: a completion for each request."""
+    body = {"choices": [{"message": {"content": text}}], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+    return [json.dumps({"custom_id": r.custom_id, "response": {"status_code": 200, "body": body}}).encode() + b"\n"
+            for r in requests]
+
+
+def run_backend(spec: BatchApiSpec, requests: list[BatchRequest], state: Path) -> tuple[Counted, Counted]:
+    """The backend run over `requests` with its state file at `state`: (results, errors) counted."""
+    backend = BatchApiBackend(spec)
+    backend.keep_state(state)
+    results, errors = Counted(), Counted()
+    backend.run(iter(requests), ResultSink(results, errors, None), StopFlag())
+    return results, errors
+
+
+@pytest.mark.slow
+def test_a_big_output_file_streams_to_disk_for_longer_than_the_timeout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    requests = [request(n) for n in range(1, 2001)]
+    rows = answers(requests, "x" * 4000)
+    size = sum(map(len, rows))  # 8 MB, sent in 1.3 s: a timeout of 0.5 s bounds silence, not the download
+    with provider(rows, pause_s=0.01) as api:
+        tracemalloc.start()
+        try:
+            results, errors = run_backend(BatchApiSpec(api.url, poll_s=0.05, timeout_s=0.5, retry_for_s=2), requests,
+                                          tmp_path / "backend.json")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert (results.count, errors.count) == (2000, 0)
+    assert "trying again" not in capsys.readouterr().err
+    assert peak < size / 4, f"{peak:,} bytes held at once for an {size:,}-byte file"
+
+
+def test_a_4xx_ends_the_job_at_once_with_exit_3_naming_the_call(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    refused = json.dumps({"error": {"message": "Incorrect API key provided", "type": "invalid_request_error"}})
+    path, out = reviews(tmp_path / "reviews.txt", 3), tmp_path / "out"
+    with provider([], replies={"POST /v1/files": [(401, refused.encode())]}) as api:
+        code = run_cli(path, "-o", out, "--endpoint", api.url, "--batch-api", *FLAGS)
+    stderr = capsys.readouterr().err
+    assert code == 3, stderr
+    assert "tokenmill run: POST /v1/files: HTTP 401: Incorrect API key provided" in stderr
+    assert "trying again" not in stderr and [s.split()[0] for s in api.seen] == ["POST"]  # not retried
+    assert [p["status"] for p in state_of(out)["parts"]] == ["uploading"]  # a re-run submits it
+
+
+def test_a_5xx_creating_a_batch_is_retried_once_none_is_found_and_made_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    requests = [request(n) for n in range(1, 4)]
+    with provider(answers(requests), replies={"POST /v1/batches": [(503, b"upstream busy")]}) as api:
+        results, errors = run_backend(BatchApiSpec(api.url, poll_s=0.05), requests, tmp_path / "backend.json")
+    assert (results.count, errors.count) == (3, 0)
+    assert "creating a batch: HTTP 503: upstream busy; trying again in" in capsys.readouterr().err
+    # Before the retry it asked whether the failed try had made the batch after all.
+    assert api.seen[:4] == ["POST /v1/files", "POST /v1/batches", "GET /v1/batches?limit=100", "POST /v1/batches"]
+    assert len(api.created) == 1 and api.created[0]["metadata"]["tokenmill_part"] == "1"
+
+
+def test_the_calls_go_through_the_environment_s_proxy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    requests = [request(n) for n in range(1, 3)]
+    with provider(answers(requests)) as api:
+        monkeypatch.setenv("HTTP_PROXY", api.url.removesuffix("/v1"))
+        # No such host: only through the proxy is there an answer.
+        spec = BatchApiSpec("http://batch.tokenmill-test.invalid/v1", poll_s=0.05, retry_for_s=0)
+        results, errors = run_backend(spec, requests, tmp_path / "backend.json")
+    assert (results.count, errors.count) == (2, 0)
+    assert api.seen[0] == "POST http://batch.tokenmill-test.invalid/v1/files"
+    assert all(s.split()[1].startswith("http://batch.tokenmill-test.invalid/v1/") for s in api.seen)
+
+
+@contextlib.contextmanager
+def deaf_server() -> Iterator[str]:
+    """A server on 127.0.0.1 that accepts connections and never reads from them (a receive buffer
+    of a few KiB): an upload to it stalls once the buffers between are full."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before listen: accepted sockets inherit it
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(listener.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+    finally:
+        listener.close()
+        for sock in held:
+            sock.close()
+
+
+@pytest.mark.slow
+def test_an_upload_the_server_stops_taking_times_out_and_the_job_ends_resumable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    requests = [request(n, "x" * 2_000_000) for n in range(1, 17)]  # a 32 MB part: more than the buffers hold
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            run_backend(BatchApiSpec(url, timeout_s=1, retry_for_s=3), requests, tmp_path / "backend.json")
+        except JobFailed as exc:
+            failed.append(exc)
+
+    with deaf_server() as url:
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        worker.join(timeout=30)
+        assert not worker.is_alive(), "the upload hangs on a server that takes none of it"
+    stderr = capsys.readouterr().err
+    assert re.search(r"uploading tm-\w+-part-00001\.jsonl: TimeoutError: the server took none of the upload "
+                     r"for 1 s; trying again in", stderr), stderr
+    assert failed and re.match(r"uploading \S+: TimeoutError: the server took none of the upload for 1 s "
+                               r"\(gave up after \d attempt\(s\) in \d s, --retry-for\); every batch submitted is "
+                               r"recorded: re-run the same command to resume", str(failed[0])), failed
+    assert [p["status"] for p in state_of(tmp_path)["parts"]] == ["uploading"]
+
+
 # ---- without a server ------------------------------------------------------------------------------
 def request(line: int, text: str = "hello", url: str = "/v1/chat/completions") -> BatchRequest:
     body = {"messages": [{"role": "user", "content": text}]} if url != "/v1/completions" else {"prompt": text}
@@ -347,12 +720,12 @@ def test_the_state_file_keys_each_job_apart_and_refuses_another_server(tmp_path:
 def test_flags_refuse_what_cannot_be(flags: list[str], message: str, tmp_path: Path) -> None:
     import argparse
 
-    from tokenmill.jobs.flags import add_arguments, backend_spec
+    from tokenmill.jobs.flags import add_arguments, parse_job
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     with pytest.raises(ValueError, match=message):
-        backend_spec(parser.parse_args(["in.jsonl", "-o", str(tmp_path), *flags]))
+        parse_job(parser.parse_args(["in.jsonl", "-o", str(tmp_path), *flags]))
 
 
 def test_flags_build_the_spec() -> None:

@@ -71,9 +71,9 @@ def test_the_default_columns_and_a_tsv(tmp_path: Path) -> None:
 
 def test_a_header_without_the_prompt_column_refuses_the_whole_file(tmp_path: Path) -> None:
     path = write_table(tmp_path)
-    with pytest.raises(ValueError, match=r"no 'prompt' or 'text' column .*--prompt-column.*ticket, question, lang"):
+    with pytest.raises(ValueError, match=r"no 'prompt' or 'text' column .*prompt_column.*ticket, question, lang"):
         read_input(path, DocumentOptions())
-    with pytest.raises(ValueError, match=r"--id-column 'nope': the CSV has no such column"):
+    with pytest.raises(ValueError, match=r"id_column 'nope': the CSV has no such column"):
         read_input(path, DocumentOptions(prompt_column="question", id_column="nope"))
     doubled = write_table(tmp_path, "d.csv", b"prompt,a,a\nx,1,2\n")
     with pytest.raises(ValueError, match="names a column twice: a"):

@@ -17,13 +17,13 @@ import pytest
 
 from tokenmill.jobs.backends.base import BackendStats
 from tokenmill.jobs.backends.build import _replica_backends
-from tokenmill.jobs.backends.endpoint import EndpointBackend, EndpointSpec, _env_proxy
+from tokenmill.jobs.backends.endpoint import EndpointBackend, EndpointSpec
 from tokenmill.jobs.backends.http import RetryPolicy
 from tokenmill.jobs.backends.rate_limit import RateLimit, estimated_tokens
 from tokenmill.jobs.backends.ray import RaySpec
 from tokenmill.jobs.config import JobConfig
 from tokenmill.jobs.errors import JobFailed
-from tokenmill.jobs.flags import add_arguments, backend_spec
+from tokenmill.jobs.flags import add_arguments, parse_job
 from tokenmill.jobs.input.request import BatchRequest, DocumentOptions
 from tokenmill.jobs.runner import run_job
 
@@ -167,9 +167,10 @@ def test_a_429_with_retry_after_pauses_the_whole_endpoint(tmp_path: Path) -> Non
 
 
 def parse_backend(*flags: str):
+    """The backend of `tokenmill run in.jsonl -o out FLAGS`; JobError in the flags' words."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return backend_spec(parser.parse_args(["in.jsonl", "-o", "out", *flags]))
+    return parse_job(parser.parse_args(["in.jsonl", "-o", "out", *flags]))[1]
 
 
 def test_flags_build_several_endpoints_with_their_limits() -> None:
@@ -236,15 +237,3 @@ def test_rows_by_endpoint_add_up_over_batches() -> None:
     for part in ({"http://a": 3}, {"http://b": 2}, {"http://a": 1}):
         total.add(BackendStats(retries=1, rows_by_endpoint=part))
     assert total.rows_by_endpoint == {"http://a": 4, "http://b": 2} and total.retries == 3
-
-
-def test_the_environment_s_proxy_is_used_except_where_no_proxy_says(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"):
-        monkeypatch.delenv(name, raising=False)
-    assert _env_proxy("https://api.example.com") is None
-    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.corp:3128")
-    monkeypatch.setenv("NO_PROXY", "localhost,127.0.0.1,.internal")
-    assert _env_proxy("https://api.example.com") == "http://proxy.corp:3128"
-    assert _env_proxy("http://api.example.com") is None  # HTTP_PROXY is not set
-    assert _env_proxy("http://127.0.0.1:8000") is None
-    assert _env_proxy("https://gpu-1.internal:8000") is None

@@ -216,11 +216,11 @@ def test_sha256_covers_the_whole_file(tmp_path: Path) -> None:
 def test_bad_options_are_refused() -> None:
     with pytest.raises(ValueError, match=r"\{text\}"):
         DocumentOptions(template="no placeholder")
-    with pytest.raises(ValueError, match="--max-tokens"):
+    with pytest.raises(ValueError, match="max_tokens must be positive, got 0"):
         DocumentOptions(max_tokens=0)
-    with pytest.raises(ValueError, match=r"--logprobs must be in \[0, 20\], got 21"):
+    with pytest.raises(ValueError, match=r"logprobs must be in \[0, 20\], got 21"):
         DocumentOptions(logprobs=21)
-    with pytest.raises(ValueError, match="--logprobs 6 with --completions: /v1/completions takes at most 5"):
+    with pytest.raises(ValueError, match="logprobs 6 with completions: /v1/completions takes at most 5"):
         DocumentOptions(logprobs=6, completions=True)
 
 

@@ -15,6 +15,8 @@ import pytest
 
 from tests.serve.conftest import MODEL, Running
 from tests.serve.test_batches import client_for, wait_for
+from tests.serve.test_odd_values import batch_of
+from tokenmill.openai_compat import CHAT_URL
 
 REVIEW = [{"role": "user", "content": "Is this review positive or negative? 'The kettle broke after a week.'"}]
 LABELS = ["positive", "negative"]
@@ -85,18 +87,25 @@ def test_max_tokens_cuts_a_json_answer_with_length(client: openai.OpenAI) -> Non
     ({"guided_regex": "a(("}, "guided_regex", "body.guided_regex: "),
     ({"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs", "body.structured_outputs.grammar: "),
     ({"guided_json": "{not json"}, "guided_json", "body.guided_json: "),
-    # checked by the request's model or openai_compat
-    ({"structured_outputs": {"choice": []}}, "structured_outputs", "structured_outputs.choice: "),
-    ({"guided_choice": []}, "guided_choice", "guided_choice: "),
-    ({"guided_choice": ["a", 1]}, "guided_choice", "guided_choice.1: "),
+    # checked by openai_compat, in the words a batch line gets (not pydantic's)
+    ({"structured_outputs": {"choice": []}}, "structured_outputs",
+     "body.structured_outputs.choice must be a non-empty list of non-empty strings, got []"),
+    ({"guided_choice": []}, "guided_choice", "body.guided_choice must be a non-empty list of non-empty strings"),
+    ({"guided_choice": ["a", 1]}, "guided_choice", "body.guided_choice must be a non-empty list of non-empty strings"),
+    ({"guided_regex": ""}, "guided_regex", "body.guided_regex must be a non-empty string"),
+    ({"guided_json": 5}, "guided_json", "body.guided_json must be a JSON schema (an object), got int"),
     ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs",
      "body.structured_outputs needs exactly one of"),
-    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "structured_outputs.structural_tag: "),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs",
+     "body.structured_outputs.structural_tag is not supported by tokenmill"),
     ({"response_format": {"type": "json_object"}, "guided_choice": LABELS}, "response_format",
      "body.response_format and body.guided_choice both ask for a structured output: give one"),
-    ({"response_format": {"type": "xml"}}, "response_format", "response_format.type: "),
+    ({"response_format": {"type": "xml"}}, "response_format",
+     'body.response_format must be an object with a "type" of text, json_object, json_schema, got {"type": "xml"}'),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
-     "response_format.json_schema.schema: Field required"),
+     "body.response_format.json_schema.schema must be a JSON schema (an object), got null"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": 5, "schema": {}}}}, "response_format",
+     "body.response_format.json_schema.name must be a string, got 5"),
 ])
 def test_a_bad_setting_is_a_400_naming_its_field(server: Running, fields: dict[str, Any], param: str,
                                                  words: str) -> None:
@@ -104,6 +113,33 @@ def test_a_bad_setting_is_a_400_naming_its_field(server: Running, fields: dict[s
     response = httpx.post(f"{server.v1}/chat/completions", json=body, timeout=60)
     error = response.json()["error"]
     assert response.status_code == 400 and error["param"] == param and words in error["message"], error
+
+
+# Checked once, by openai_compat, whichever way the body comes: the same words live and in a batch.
+SAME_REFUSALS = [
+    {"response_format": {"type": "json_schema"}},
+    {"structured_outputs": {"json": {}, "regex": "a"}},
+    {"structured_outputs": {"whitespace_pattern": " "}},
+    {"guided_choice": ["a", 1]},
+    {"response_format": {"type": "json_object"}, "guided_regex": "a"},
+    {"guided_regex": "a(("},  # the engine's compiler
+]
+
+
+def test_a_bad_setting_gets_the_same_message_live_and_as_a_batch_line(server: Running) -> None:
+    bodies = {f"bad-{i}": {"model": MODEL, "messages": REVIEW, "max_tokens": 4, **fields}
+              for i, fields in enumerate(SAME_REFUSALS)}
+    live = {}
+    for (custom_id, body), fields in zip(bodies.items(), SAME_REFUSALS, strict=True):
+        response = httpx.post(f"{server.v1}/chat/completions", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        live[custom_id] = response.json()["error"]
+        assert live[custom_id]["param"] == next(iter(fields)), live[custom_id]  # the first field at fault
+    good = {"model": MODEL, "messages": REVIEW, "max_tokens": 1}
+    done, results, errors = batch_of(client_for(server), CHAT_URL, {**bodies, "good": good})
+    assert done.status == "completed" and results == {"good"} and errors.keys() == bodies.keys(), done
+    for line, custom_id in enumerate(bodies, start=1):
+        assert errors[custom_id]["message"] == f"line {line}: {live[custom_id]['message']}", custom_id
 
 
 def test_a_batch_of_response_format_lines(server: Running) -> None:

@@ -13,14 +13,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
+import aiohttp
 
 from tokenmill.bench.metrics import RequestRecord
 from tokenmill.bench.runner import RunOutcome
 from tokenmill.bench.workloads import Request
+from tokenmill.http_client import TRANSPORT_ERRORS, client_session, describe_error
 from tokenmill.openai_compat import api_root
+
+CONNECT_TIMEOUT_S = 10.0
 
 
 class EndpointTarget:
@@ -30,16 +34,18 @@ class EndpointTarget:
                  plain_openai: bool = False, timeout_s: float = 600.0) -> None:
         self.base = api_root(url)
         self.tokenizer = tokenizer
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.api_key = api_key
         self.plain_openai = plain_openai
-        self.timeout = httpx.Timeout(timeout_s, connect=10.0)
-        self.model = model or self._first_model()
+        # A bound on silence, not on the whole request: a long generation streams for as long as it takes.
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=timeout_s)
+        self.model = model or asyncio.run(self._first_model())
         self.label = f"{self.model} @ {self.base}"
 
-    def _first_model(self) -> str:
-        reply = httpx.get(f"{self.base}/v1/models", headers=self.headers, timeout=10.0)
-        reply.raise_for_status()
-        return str(reply.json()["data"][0]["id"])
+    async def _first_model(self) -> str:
+        timeout = aiohttp.ClientTimeout(total=CONNECT_TIMEOUT_S)
+        async with client_session(self.base, timeout, 1, self.api_key) as client, client.get("v1/models") as reply:
+            reply.raise_for_status()
+            return str((await reply.json(content_type=None))["data"][0]["id"])
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "model": self.model, "endpoint": self.base,
@@ -67,8 +73,7 @@ class EndpointTarget:
         for i in range(len(requests)):
             queue.put_nowait(i)
         records: list[RequestRecord | None] = [None] * len(requests)
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        async with httpx.AsyncClient(timeout=self.timeout, limits=limits, headers=self.headers) as client:
+        async with client_session(self.base, self.timeout, concurrency, self.api_key) as client:
             t0 = time.monotonic()
 
             async def worker() -> None:
@@ -88,25 +93,39 @@ class EndpointTarget:
             body |= {"min_tokens": req.output_len, "ignore_eos": True}
         return body
 
-    async def _one(self, client: httpx.AsyncClient, i: int, req: Request, prompt: str,
+    async def _one(self, client: aiohttp.ClientSession, i: int, req: Request, prompt: str,
                    t0: float) -> RequestRecord:
         rec = RequestRecord(f"req-{i}", req.input_len, req.output_len, 0, 0, 0,
                             time.monotonic() - t0, None, None)
         usage: dict[str, Any] | None = None
         try:
-            async with client.stream("POST", f"{self.base}/v1/completions",
-                                     json=self._body(req, prompt)) as reply:
-                if reply.status_code != 200:
-                    rec.error = f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}"
+            async with client.post("v1/completions", json=self._body(req, prompt)) as reply:
+                if reply.status != 200:
+                    rec.error = f"HTTP {reply.status}: {(await reply.read())[:200]!r}"
                     return rec
-                async for line in reply.aiter_lines():
+                async for line in _lines(reply.content):  # as each arrives: the token times are the chunks'
                     usage = _on_line(line, rec, time.monotonic() - t0) or usage
-        except httpx.HTTPError as exc:
-            rec.error = f"{type(exc).__name__}: {exc}"
+        except TRANSPORT_ERRORS as exc:
+            rec.error = describe_error(exc)
             return rec
         rec.end = time.monotonic() - t0
         _apply_usage(rec, usage)
         return rec
+
+
+async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[str]:
+    """The body's lines, each as soon as the bytes that end it arrive, however long: aiohttp's own
+    line reader refuses one over its read buffer (128 to 512 KiB, by version), and a server that
+    ignores `stream` sends its whole answer as one."""
+    pending: list[bytes] = []  # the start of a line not ended yet
+    async for chunk in content.iter_any():
+        *ended, rest = chunk.split(b"\n")
+        for line in ended:
+            yield b"".join([*pending, line]).decode("utf-8", "replace")
+            pending = []
+        pending.append(rest)
+    if last := b"".join(pending):
+        yield last.decode("utf-8", "replace")
 
 
 def _on_line(line: str, rec: RequestRecord, now: float) -> dict[str, Any] | None:

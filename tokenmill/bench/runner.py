@@ -195,7 +195,7 @@ def environment() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "tokenmill": _version("tokenmill"), "transformers": _version("transformers"),
-        "httpx": _version("httpx"),
+        "aiohttp": _version("aiohttp"),
     }
     with contextlib.suppress(OSError):
         env["loadavg_at_start"] = os.getloadavg()

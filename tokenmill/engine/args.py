@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import types
-import typing
 from collections.abc import Iterable
 from dataclasses import fields
 from pathlib import Path
@@ -24,13 +22,15 @@ from typing import Any
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.sampling_params import StructuredOutputsParams
 from tokenmill.engine.structured_outputs import check_grammar
+from tokenmill.settings import add_setting_arguments, flag_of
 
 _FIELDS_KEY = "engine_fields"  # where the namespace records which of its names are engine settings
 
 
 def flag(name: str) -> str:
-    """`max_num_seqs` → `--max-num-seqs`."""
-    return "--" + name.replace("_", "-")
+    """`max_num_seqs` → `--max-num-seqs`: an engine setting's flag, or one named like it (vLLM's)."""
+    setting = next((f for f in fields(EngineConfig) if f.name == name), None)
+    return flag_of(setting) if setting is not None else "--" + name.replace("_", "-")
 
 
 def add_engine_arguments(
@@ -44,28 +44,8 @@ def add_engine_arguments(
     """A flag for every `EngineConfig` field but those in `exclude` (which the command decides
     itself); `defaults` (the command's own choices, which count as set) and `help` replace a
     field's own default and help for this command."""
-    defaults, help = defaults or {}, help or {}
-    unknown = (set(exclude) | set(defaults) | set(help)) - {f.name for f in fields(EngineConfig)}
-    if unknown:
-        raise ValueError(f"not EngineConfig fields: {sorted(unknown)}")
     group = parser.add_argument_group(title)
-    hints = typing.get_type_hints(EngineConfig)
-    names = []
-    for f in fields(EngineConfig):
-        if f.name in exclude:
-            continue
-        names.append(f.name)
-        default = defaults.get(f.name)  # None: not set
-        shown = defaults.get(f.name, f.default)
-        text = help.get(f.name, f.metadata["help"])
-        kind = _scalar_type(hints[f.name])
-        if kind is bool:
-            group.add_argument(flag(f.name), dest=f.name, default=default, action=argparse.BooleanOptionalAction,
-                               help=f"{text} (default: {'on' if shown else 'off'})")
-        else:
-            group.add_argument(flag(f.name), dest=f.name, default=default, type=kind,
-                               choices=f.metadata["choices"],
-                               help=text + ("" if shown is None else f" (default: {shown})"))
+    names = add_setting_arguments(group, EngineConfig, exclude=exclude, defaults=defaults, help=help)
     parser.set_defaults(**{_FIELDS_KEY: tuple(names)})
 
 
@@ -74,13 +54,6 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     defaults), as keyword arguments for `EngineConfig` or `VllmConfig.from_settings`."""
     values = {name: getattr(args, name) for name in getattr(args, _FIELDS_KEY)}
     return {name: value for name, value in values.items() if value is not None}
-
-
-def _scalar_type(hint: Any) -> type:
-    """`int | None` → int: the type a flag's value is parsed as."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        (hint,) = [t for t in typing.get_args(hint) if t is not type(None)]
-    return typing.cast(type, hint)
 
 
 # ---- structured outputs (`tokenmill generate` and `tokenmill run`) ------------------------------------

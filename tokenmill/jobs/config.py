@@ -7,9 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.jobs import storage
+from tokenmill.jobs.input.reader import FORMATS
 from tokenmill.jobs.input.request import DocumentOptions
 from tokenmill.jobs.journal.parts import PART_ROWS, OutputLayout
 from tokenmill.jobs.storage import Location
+from tokenmill.plan.price import FLAG_HELP as PRICE_HELP
+from tokenmill.plan.price import price_per_hour_arg
+from tokenmill.settings import SettingError, setting
 
 ORDERS = ("input", "length-buckets")
 OUTPUT_FORMATS = ("jsonl", "parquet")
@@ -20,27 +24,33 @@ class JobConfig:
     input: Location  # a local Path, or a URL (a str with "://": storage.py)
     output: Location  # a folder or a results .jsonl file; a URL is a folder
     options: DocumentOptions = field(default_factory=DocumentOptions)
-    errors: Path | None = None
-    input_format: str = "auto"
-    strict: bool = False
-    overwrite: bool = False
-    order: str = "input"
-    price_per_hour: float | None = None
-    progress: bool = True
+    errors: Path | None = setting(None, "errors JSONL (default: beside the results)")
+    input_format: str = setting("auto", "auto: by suffix and first line", FORMATS)
+    strict: bool = setting(False, "refuse the whole job if any line is bad")
+    overwrite: bool = setting(False, "discard existing output files and start over")
+    order: str = setting("input", "input order, or the biggest requests first, in length buckets (see "
+                         "docs/jobs.md)", ORDERS)
+    price_per_hour: float | None = setting(None, f"for the cost in the summary: {PRICE_HELP}",
+                                           parse=price_per_hour_arg)
+    progress: bool = setting(True, "a live progress bar")
     fsync_interval: float = 1.0
-    output_format: str = "jsonl"  # the committed parts' format (a URL output, or parquet)
-    part_rows: int = PART_ROWS
-    spool_dir: Path | None = None  # a URL output's local journal (default: under the cache folder)
+    output_format: str = setting(
+        "jsonl", "the results as committed parts OUT/results/part-*.jsonl or .parquet (one column per field; a "
+        "local -o keeps OUT/results.jsonl as the journal); errors stay JSONL", OUTPUT_FORMATS)
+    part_rows: int = setting(PART_ROWS, "a URL -o or parquet: commit a part every N result rows, and at the end "
+                             "of each run (at most N rows are redone after a lost machine)", metavar="N")
+    spool_dir: Path | None = setting(None, "a URL -o: the local journal it is committed from (default: "
+                                     "$TOKENMILL_CACHE/jobs/<hash of the URL>)", metavar="DIR")
 
     def __post_init__(self) -> None:
-        if self.order not in ORDERS:
-            raise ValueError(f"--order must be one of {ORDERS}, got {self.order!r}")
+        for name, allowed in (("order", ORDERS), ("output_format", OUTPUT_FORMATS)):
+            if getattr(self, name) not in allowed:
+                raise SettingError(f"{{{name}}} must be one of {{allowed}}, got {{got!r}}", allowed=allowed,
+                                   got=getattr(self, name))
         if self.price_per_hour is not None and self.price_per_hour < 0:
-            raise ValueError(f"--price-per-hour must be >= 0, got {self.price_per_hour}")
-        if self.output_format not in OUTPUT_FORMATS:
-            raise ValueError(f"--output-format must be one of {OUTPUT_FORMATS}, got {self.output_format!r}")
+            raise SettingError("{price_per_hour} must be >= 0, got {got}", got=self.price_per_hour)
         if self.part_rows < 1:
-            raise ValueError(f"--part-rows must be at least 1, got {self.part_rows}")
+            raise SettingError("{part_rows} must be at least 1, got {got}", got=self.part_rows)
         self._check_output()
 
     def _check_output(self) -> None:
@@ -48,13 +58,15 @@ class JobConfig:
         storage.check(self.output)
         remote = storage.is_url(self.output)
         if storage.suffix(self.output) == ".jsonl" and (remote or self.output_format == "parquet"):
-            raise ValueError(f"-o {self.output}: "
-                             + ("a URL output is a folder" if remote else "--output-format parquet writes a folder")
-                             + " (results/ parts, errors.jsonl, summary.json, job.json in it): name a folder")
+            raise SettingError("{output} {got}: " + ("a URL output is a folder" if remote
+                                                     else "{output_format} parquet writes a folder")
+                               + " (results/ parts, errors.jsonl, summary.json, job.json in it): name a folder",
+                               got=self.output)
         if remote and self.errors is not None:
-            raise ValueError("--errors with a URL -o: errors.jsonl goes beside the results on the object store")
+            raise SettingError("{errors} with a URL {output}: errors.jsonl goes beside the results on the object "
+                               "store")
         if self.spool_dir is not None and not remote:
-            raise ValueError("--spool-dir is where a URL -o keeps its local journal; a local -o is its own")
+            raise SettingError("{spool_dir} is where a URL {output} keeps its local journal; a local one is its own")
 
     def check_paths(self) -> None:
         """Refuse, before any work, paths the job could not use: an input that is missing, a folder

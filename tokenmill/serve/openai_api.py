@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncGenerator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -21,9 +21,9 @@ from tokenmill.openai_compat import (
     COMPLETIONS_URL,
     LiveRequest,
     RequestError,
+    body_fields,
     check_text,
     new_response_id,
-    sampling_fields,
     usage,
 )
 from tokenmill.serve.backend import Prepared, RequestStream
@@ -38,47 +38,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class JSONSchemaFormat(BaseModel):
-    """`response_format.json_schema`: OpenAI requires `name`, which changes nothing here, so it may
-    be left out; `strict` is accepted and ignored: the schema is always enforced."""
-
-    name: str | None = Field(None, strict=True)
-    description: str | None = Field(None, strict=True)
-    schema_: dict[str, Any] = Field(alias="schema")  # `schema` would shadow a BaseModel method
-    strict: bool | None = Field(None, strict=True)
-
-
-class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"]  # openai_compat.RESPONSE_FORMAT_TYPES
-    json_schema: JSONSchemaFormat | None = None  # with "json_schema"
-
-
-class StructuredOutputs(BaseModel):
-    """vLLM's `structured_outputs`: one of these. Its other options would change the answer, so
-    they are refused rather than ignored."""
-
-    model_config = ConfigDict(extra="forbid")
-    json_: dict[str, Any] | str | None = Field(None, alias="json")  # a JSON schema (or its text)
-    json_object: bool | None = Field(None, strict=True)
-    choice: list[str] | None = Field(None, strict=True, min_length=1)
-    regex: str | None = Field(None, strict=True, min_length=1)
-    grammar: str | None = Field(None, strict=True, min_length=1)  # Lark or GBNF
-
-
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")  # other fields reach the backend's checks, which refuse
     # what would change the answer (tools, logit_bias, ...) and ignore the rest (user, metadata, ...)
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # A structured output (openai_compat.STRUCTURED_OUTPUTS_FIELDS), at most one of: OpenAI's field,
-    # then vLLM's, so that clients written for vLLM work unchanged.
-    response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputs | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_choice: list[str] | None = Field(None, strict=True, min_length=1)
-    guided_regex: str | None = Field(None, strict=True, min_length=1)
-    guided_grammar: str | None = Field(None, strict=True, min_length=1)
 
 
 class _CompletionFields(_Body):
@@ -96,16 +61,17 @@ class _ChatFields(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
-def _with_sampling_fields(name: str, base: type[_Body], url: str) -> Any:
-    """`base` with the endpoint's sampling fields (openai_compat.SAMPLING_FIELDS): described in
-    the schema as the table writes them, and checked once, by the table's checks, as a batch line
-    is, with the same messages (so not here: a value of any type reaches them)."""
-    fields: dict[str, Any] = {f.name: (Annotated[Any, WithJsonSchema(f.schema)], None) for f in sampling_fields(url)}
+def _with_body_fields(name: str, base: type[_Body], url: str) -> Any:
+    """`base` with the endpoint's body fields (openai_compat.body_fields: its sampling and
+    structured-output fields): described in the schema as the tables write them, and checked once,
+    by the tables' checks, as a batch line is, with the same messages (so not here: a value of any
+    type reaches them)."""
+    fields: dict[str, Any] = {f.name: (Annotated[Any, WithJsonSchema(f.schema)], None) for f in body_fields(url)}
     return create_model(name, __base__=base, **fields)
 
 
-CompletionBody = _with_sampling_fields("CompletionBody", _CompletionFields, COMPLETIONS_URL)
-ChatBody = _with_sampling_fields("ChatBody", _ChatFields, CHAT_URL)
+CompletionBody = _with_body_fields("CompletionBody", _CompletionFields, COMPLETIONS_URL)
+ChatBody = _with_body_fields("ChatBody", _ChatFields, CHAT_URL)
 
 
 # Handled here (streaming), or OpenAI fields that do not change the answer.
@@ -133,7 +99,7 @@ def _engine_fields(body: _Body) -> dict[str, Any]:
     """The body as the backend reads it, less the fields handled here or ignored. Every field's text
     is checked first, the ignored ones' too, and before anything (the 404 for an unknown model)
     quotes a value back: a lone surrogate anywhere is a 400 naming where, as in a batch line."""
-    data = body.model_dump(exclude_none=True, by_alias=True)
+    data = body.model_dump(exclude_none=True)
     try:
         check_text(data)
     except RequestError as exc:

@@ -10,6 +10,7 @@ from tokenmill.jobs.backends import OPENAI_MAX_BYTES, OPENAI_MAX_REQUESTS
 from tokenmill.jobs.flags import add_csv_column_arguments, add_document_arguments
 from tokenmill.jobs.input import FORMATS, DocumentOptions
 from tokenmill.jobs.storage import check_input, check_output
+from tokenmill.settings import given_settings, in_flags, name_flags
 from tokenmill.split.parts import WrittenPart, split_input
 
 __all__ = ["add_arguments", "run"]
@@ -31,21 +32,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--overwrite", action="store_true", help="replace the part and error files of an earlier split in DIR")
     add_csv_column_arguments(parser)
     add_document_arguments(parser)
+    name_flags(parser, max_requests="--max-requests", max_bytes="--max-bytes")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         check_input(args.input)  # before any work: a missing or unreadable input, an -o that cannot be written
         check_output(args.output)
-        options = DocumentOptions(
-            system=args.system, template=args.template, max_tokens=args.max_tokens, temperature=args.temperature,
-            model=args.model, completions=args.completions, prompt_column=args.prompt_column,
-            id_column=args.id_column,
-        )
+        options = DocumentOptions(model=args.model, **given_settings(args, DocumentOptions))
         outcome = split_input(args.input, args.output, options, args.input_format, args.max_requests,
                               args.max_bytes, args.overwrite, on_part=_print_part)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"tokenmill split: {exc}", file=sys.stderr)
+        print(f"tokenmill split: {in_flags(exc, args)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if outcome.errors_path is not None:
         print(f"tokenmill split: {outcome.bad_lines} bad line(s), in no part → {outcome.errors_path}:",

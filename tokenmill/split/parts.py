@@ -46,7 +46,7 @@ def split_input(
 ) -> SplitOutcome:
     """Cut the input into Batch API files in `out_dir`; `on_part` hears of each as it is written.
     ValueError for a limit that is not positive, or an `out_dir` that holds parts already."""
-    check_limits(max_requests, max_bytes, "--max-requests", "--max-bytes")
+    check_limits(max_requests, max_bytes, "max_requests", "max_bytes")
     refuse_inputs_in(_footprint(out_dir), {"the input": input_path})
     out_dir.mkdir(parents=True, exist_ok=True)
     with OutputLock(out_dir, out_dir):  # the folder itself: nothing but parts may lie in it

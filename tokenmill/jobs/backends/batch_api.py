@@ -22,23 +22,27 @@ Exactly once, whatever moment a `kill -9` lands:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
+import io
 import itertools
 import json
+import os
 import random
 import re
 import secrets
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-import httpx
+import aiohttp
 
+from tokenmill.http_client import TRANSPORT_ERRORS, client_session, describe_error
 from tokenmill.jobs.backends.base import BackendStats, ResultSink, StopFlag, notice
 from tokenmill.jobs.backends.batch_parts import (
     OPENAI_MAX_BYTES,
@@ -50,12 +54,20 @@ from tokenmill.jobs.backends.batch_parts import (
     too_big,
 )
 from tokenmill.jobs.backends.endpoint import check_server
-from tokenmill.jobs.backends.http import RetryPolicy, check_retry_for, code_of_status, error_message
+from tokenmill.jobs.backends.http import (
+    RETRY_FOR_S,
+    TIMEOUT_S,
+    RetryPolicy,
+    check_retry_for,
+    code_of_status,
+    error_message,
+)
 from tokenmill.jobs.errors import JobError, JobFailed
 from tokenmill.jobs.input.request import BatchRequest
 from tokenmill.jobs.journal.rows import ErrorCode
 from tokenmill.jobs.storage import atomic_write_json
 from tokenmill.openai_compat import api_root
+from tokenmill.settings import SettingError, setting
 
 T = TypeVar("T")
 
@@ -86,20 +98,23 @@ class BatchApiSpec:
     url: str
     model: str | None = None
     api_key: str | None = None
-    poll_s: float = 30.0  # seconds between status checks of the batches in flight
+    poll_s: float = setting(30.0, "seconds between status checks of the batches in flight",
+                            flag="--poll-interval", metavar="SECONDS")
     completion_window: str = "24h"  # the one OpenAI accepts
-    max_requests_per_part: int = OPENAI_MAX_REQUESTS
-    max_bytes_per_part: int = OPENAI_MAX_BYTES
-    timeout_s: float = 600.0  # per HTTP attempt
-    retry_for_s: float = 600.0  # how long a failing upload / create / poll keeps being retried
+    max_requests_per_part: int = setting(OPENAI_MAX_REQUESTS, "requests in one uploaded file "
+                                         "(OpenAI's limit by default)", metavar="N")
+    max_bytes_per_part: int = setting(OPENAI_MAX_BYTES, "bytes in one uploaded file (OpenAI's "
+                                      "limit, 200 MB, by default)", metavar="N")
+    timeout_s: float = TIMEOUT_S  # per HTTP attempt
+    retry_for_s: float = RETRY_FOR_S  # how long a failing upload / create / poll keeps being retried
 
     def __post_init__(self) -> None:
         check_server(self.url, self.timeout_s)
-        check_retry_for(self.retry_for_s)
+        check_retry_for(self.retry_for_s, "retry_for_s")
         if self.poll_s <= 0:
-            raise ValueError(f"--poll-interval must be positive, got {self.poll_s:g}")
-        check_limits(self.max_requests_per_part, self.max_bytes_per_part,
-                     "--max-requests-per-part", "--max-bytes-per-part")
+            raise SettingError("{poll_s} must be positive, got {got:g}", got=self.poll_s)
+        check_limits(self.max_requests_per_part, self.max_bytes_per_part, "max_requests_per_part",
+                     "max_bytes_per_part")
 
 
 # ---- the state file ------------------------------------------------------------------------------
@@ -214,31 +229,43 @@ class BatchApiClient:
     connections for up to `retry_for` seconds (then JobFailed: a re-run resumes); any other 4xx
     is JobFailed at once (a wrong key or URL will not fix itself)."""
 
-    def __init__(self, client: httpx.Client, stop: StopFlag, retry_for: float) -> None:
-        self.client, self.stop = client, stop
+    def __init__(self, http: aiohttp.ClientSession, stop: StopFlag, retry_for: float, timeout_s: float) -> None:
+        self.http, self.stop, self.timeout_s = http, stop, timeout_s
         self.policy, self._rng = RetryPolicy(retry_for=retry_for), random.Random()
+        # A file of 200 MB may take longer than one attempt's limit to move: what is limited is how
+        # long the server may stay silent (connecting, taking none of the upload, or once it is sent).
+        self._transfer = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
 
-    def upload(self, file: IO[bytes], filename: str) -> str:
-        def attempt() -> Any:
-            file.seek(0)  # a retry sends the whole file again
-            return _json(self.client.post("/v1/files", files={"file": (filename, file, "application/jsonl")},
-                                          data={"purpose": "batch"}))
+    async def upload(self, file: IO[bytes], filename: str) -> str:
+        async def attempt() -> Any:
+            body = _PartReader(file)  # each try sends the whole file, from its start
+            form = aiohttp.FormData()
+            form.add_field("purpose", "batch")
+            form.add_field("file", body, filename=filename, content_type="application/jsonl")
+            return await _unless_silent(self._post(form, body), body, self.timeout_s)
 
-        return str(self._retrying(f"uploading {filename}", attempt)["id"])
+        return str((await self._retrying(f"uploading {filename}", attempt))["id"])
 
-    def create(self, body: dict[str, Any], find: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
+    async def _post(self, form: aiohttp.FormData, body: _PartReader) -> Any:
+        async with self.http.post("v1/files", data=form, timeout=self._transfer) as reply:
+            body.answered = True
+            return await _json(reply)
+
+    async def create(self, body: dict[str, Any],
+                     find: Callable[[], Awaitable[dict[str, Any] | None]]) -> dict[str, Any]:
         """Create a batch. Before a retry, `find` asks whether the failed try created it after all
         (its reply lost): a second one would run the part twice."""
-        return self._retrying("creating a batch", lambda: _json(self.client.post("/v1/batches", json=body)), find)
+        return await self._retrying("creating a batch", partial(self._call, "POST", "v1/batches", json=body), find)
 
-    def get(self, batch_id: str) -> dict[str, Any]:
-        return self._retrying(f"checking batch {batch_id}", lambda: _json(self.client.get(f"/v1/batches/{batch_id}")))
+    async def get(self, batch_id: str) -> dict[str, Any]:
+        return await self._retrying(f"checking batch {batch_id}", partial(self._call, "GET", f"v1/batches/{batch_id}"))
 
-    def find(self, metadata: dict[str, str], since: float) -> dict[str, Any] | None:
+    async def find(self, metadata: dict[str, str], since: float) -> dict[str, Any] | None:
         """The newest batch whose metadata holds `metadata`, among those created after `since`."""
         after: str | None = None
         while True:
-            page = self._retrying("listing batches", partial(self._list_page, after))
+            params: dict[str, Any] = {"limit": LIST_PAGE, **({"after": after} if after else {})}
+            page = await self._retrying("listing batches", partial(self._call, "GET", "v1/batches", params=params))
             data = page.get("data") or []
             for batch in data:
                 if metadata.items() <= (batch.get("metadata") or {}).items():
@@ -247,69 +274,128 @@ class BatchApiClient:
                 return None
             after = data[-1]["id"]
 
-    def _list_page(self, after: str | None) -> dict[str, Any]:
-        params: dict[str, Any] = {"limit": LIST_PAGE, **({"after": after} if after else {})}
-        return _json(self.client.get("/v1/batches", params=params))
-
-    def rows(self, file_id: str) -> Iterator[dict[str, Any]]:
+    @contextlib.asynccontextmanager
+    async def rows(self, file_id: str) -> AsyncIterator[Iterator[dict[str, Any]]]:
         """An output or error file's rows, downloaded whole first (a dropped download is retried
-        from the start; the rows it had are not handed over twice)."""
+        from the start; the rows it had are not handed over twice) to a file, not to memory."""
         with tempfile.TemporaryFile() as f:
-            def attempt() -> None:
+            async def attempt() -> None:
                 f.seek(0)
                 f.truncate()
-                with self.client.stream("GET", f"/v1/files/{file_id}/content") as reply:
-                    if reply.status_code >= 400:
-                        reply.read()
-                        _json(reply)  # raises, naming the failure
-                    for chunk in reply.iter_bytes():
+                async with self.http.get(f"v1/files/{file_id}/content", timeout=self._transfer) as reply:
+                    if reply.status >= 400:
+                        await _json(reply)  # raises, naming the failure
+                    async for chunk in reply.content.iter_any():
                         f.write(chunk)
 
-            self._retrying(f"downloading {file_id}", attempt)
+            await self._retrying(f"downloading {file_id}", attempt)
             f.seek(0)
-            for line in f:
-                if line.strip():
-                    yield json.loads(line)
+            yield (json.loads(line) for line in f if line.strip())
 
-    def _retrying(self, what: str, attempt: Callable[[], T], find: Callable[[], T | None] | None = None) -> T:
+    async def _call(self, method: str, path: str, **options: Any) -> Any:
+        async with self.http.request(method, path, **options) as reply:
+            return await _json(reply)
+
+    async def _retrying(self, what: str, attempt: Callable[[], Awaitable[T]],
+                        find: Callable[[], Awaitable[T | None]] | None = None) -> T:
         started = time.monotonic()
         for tries in itertools.count(1):
             try:
-                return attempt()
-            except (_Transient, httpx.TransportError) as exc:
-                problem = f"{type(exc).__name__}: {exc}" if isinstance(exc, httpx.TransportError) else str(exc)
+                return await attempt()
+            except _Transient as exc:
+                problem = str(exc)
+            except TRANSPORT_ERRORS as exc:
+                problem = describe_error(exc)
             delay = self.policy.backoff(tries, self._rng)
             spent = time.monotonic() - started
             if self.policy.exhausted(tries, spent + delay):
                 raise JobFailed(f"{what}: {problem} (gave up after {tries} attempt(s) in {spent:.0f} s, "
                                 "--retry-for); every batch submitted is recorded: re-run the same command to resume")
             notice(f"{what}: {problem}; trying again in {delay:.1f} s")
-            if sleep_unless(self.stop, delay):
+            if await sleep_unless(self.stop, delay):
                 raise Stopped
-            if find is not None and (found := find()) is not None:
+            if find is not None and (found := await find()) is not None:
                 return found
         raise AssertionError("unreachable")
 
 
-def _json(reply: httpx.Response) -> Any:
+class _PartReader(io.RawIOBase):
+    """A part's file on disk, read for one upload from its start at a position of its own (a
+    retry's reads never race the last try's), noting when each chunk is read: aiohttp reads the
+    next one once the last one is sent. Closing it (aiohttp does) leaves the file open."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        super().__init__()
+        file.flush()  # what the part's writer still buffers
+        self._fd, self.pos = file.fileno(), 0
+        self.size = os.fstat(self._fd).st_size
+        self.last_read = time.monotonic()
+        self.answered = False  # the reply's headers came
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self.pos = max(0, offset + {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.size}[whence])
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        data = os.pread(self._fd, len(buffer), self.pos)
+        buffer[:len(data)] = data
+        self.pos += len(data)
+        self.last_read = time.monotonic()
+        return len(data)
+
+
+async def _unless_silent(upload: Coroutine[Any, Any, T], body: _PartReader, timeout_s: float) -> T:
+    """The upload's reply; TimeoutError when, before it comes, the server takes none of the file
+    for `timeout_s` (a connection that stalls mid-upload: aiohttp bounds no write) or, once the
+    file is read, does not answer within `timeout_s`."""
+    task = asyncio.create_task(upload)
+    try:
+        while not task.done() and not body.answered:
+            silent = time.monotonic() - body.last_read
+            if silent >= timeout_s:
+                raise TimeoutError(f"the server took none of the upload for {timeout_s:g} s" if body.pos < body.size
+                                   else f"no reply within {timeout_s:g} s of the upload")
+            await asyncio.wait([task], timeout=timeout_s - silent)
+        return await task  # its reply's body is bounded by aiohttp's sock_read
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _json(reply: aiohttp.ClientResponse) -> Any:
     """The reply's JSON; _Transient for what a retry may fix, JobFailed for what it will not."""
-    if reply.status_code == 429 or reply.status_code >= 500:
-        raise _Transient(f"HTTP {reply.status_code}: {_error_message(reply)}")
-    if reply.status_code >= 400:
-        raise JobFailed(f"{reply.request.method} {reply.request.url.path}: HTTP {reply.status_code}: "
-                        f"{_error_message(reply)}")
+    raw = await reply.read()
+    if reply.status == 429 or reply.status >= 500:
+        raise _Transient(f"HTTP {reply.status}: {_error_message(raw)}")
+    if reply.status >= 400:
+        raise JobFailed(f"{reply.method} {reply.url.path}: HTTP {reply.status}: {_error_message(raw)}")
     try:
-        return reply.json()
+        return json.loads(raw)
     except ValueError:
-        raise _Transient(f"HTTP {reply.status_code} with a body that is not JSON") from None
+        raise _Transient(f"HTTP {reply.status} with a body that is not JSON") from None
 
 
-def _error_message(reply: httpx.Response) -> str:
+def _error_message(raw: bytes) -> str:
+    text = raw.decode("utf-8", "replace")
     try:
-        body = reply.json()
+        body = json.loads(text)
     except ValueError:
         body = None
-    return error_message(body, reply.text)
+    return error_message(body, text)
 
 
 # ---- rows back into the job -----------------------------------------------------------------------
@@ -337,15 +423,29 @@ def hand_row(sink: ResultSink, request: BatchRequest, row: dict[str, Any]) -> bo
     return False
 
 
-def sleep_unless(stop: StopFlag, seconds: float) -> bool:
+async def sleep_unless(stop: StopFlag, seconds: float) -> bool:
     """Sleep, a little at a time; True as soon as a stop is asked for."""
     deadline = time.monotonic() + seconds
     while not stop.requested:
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        time.sleep(min(0.05, left))
+        await asyncio.sleep(min(0.05, left))
     return True
+
+
+async def _until_stopped(work: Coroutine[Any, Any, None], stop: StopFlag) -> None:
+    """Run the job: a stop ends it where it waits (Stopped); a second Ctrl-C also aborts the call in
+    flight (a 200 MB upload, a slow reply). Each part's step is in the state file either way, and a
+    re-run goes on from there, as after a kill."""
+    task = asyncio.create_task(work)
+    while not task.done() and not stop.forced:
+        await asyncio.wait([task], timeout=0.05)
+    task.cancel()
+    await asyncio.wait([task])
+    if not task.cancelled():
+        with contextlib.suppress(Stopped):  # what is submitted stays recorded
+            task.result()
 
 
 # ---- the backend ----------------------------------------------------------------------------------
@@ -383,14 +483,19 @@ class BatchApiBackend:
             raise RuntimeError("BatchApiBackend needs keep_state(path) before run (run_job calls it): without a "
                                "state file a re-run could not find the batches, and would submit them again")
         state = BatchState.open(self._state_path, self.base_url)
-        headers = {"Authorization": f"Bearer {self.spec.api_key}"} if self.spec.api_key else {}
-        with httpx.Client(base_url=self.base_url, headers=headers, timeout=httpx.Timeout(self.spec.timeout_s)) as http:
-            job = _BatchJob(self.spec, state, BatchApiClient(http, stop, self.spec.retry_for_s), sink, stop)
-            with contextlib.suppress(Stopped):  # a stop while waiting: what is submitted stays recorded
-                job.run(requests)
+        job = asyncio.run(self._run(state, requests, sink, stop))
         if stop.requested:
             job.say_left_running()
         return BackendStats()
+
+    async def _run(self, state: BatchState, requests: Iterator[BatchRequest], sink: ResultSink,
+                   stop: StopFlag) -> _BatchJob:
+        spec = self.spec
+        # The control calls go one at a time: one connection, kept alive between them.
+        async with client_session(self.base_url, aiohttp.ClientTimeout(total=spec.timeout_s), 1, spec.api_key) as http:
+            job = _BatchJob(spec, state, BatchApiClient(http, stop, spec.retry_for_s, spec.timeout_s), sink, stop)
+            await _until_stopped(job.run(requests), stop)
+        return job
 
 
 class _BatchJob:
@@ -405,15 +510,16 @@ class _BatchJob:
         self.held: dict[int, list[BatchRequest]] = {p.number: [] for p in recorded}  # for earlier runs' parts
         self.owner = {line: p.number for p in recorded for line in p.lines}
 
-    def run(self, requests: Iterator[BatchRequest]) -> None:
-        self._take(requests)
-        self._resume_recorded()
-        self._poll()
+    async def run(self, requests: Iterator[BatchRequest]) -> None:
+        await self._take(requests)
+        await self._resume_recorded()
+        await self._poll()
         notice(f"every part merged ({len(self.state.parts)} in all)")
 
-    def _take(self, requests: Iterator[BatchRequest]) -> None:
+    async def _take(self, requests: Iterator[BatchRequest]) -> None:
+        full: list[OpenPart] = []  # the splitter hands parts to a plain callback: they are submitted here
         splitter = PartSplitter(self.spec.max_requests_per_part, self.spec.max_bytes_per_part, self._spool,
-                                self._submit_new, keep_requests=True)
+                                full.append, keep_requests=True)
         try:
             for request in requests:
                 if self.stop.requested:
@@ -423,37 +529,45 @@ class _BatchJob:
                     self.held[owner].append(request)  # its batch was submitted by an earlier run
                 elif (problem := splitter.add(request)) is not None:
                     self.sink.error(request, ErrorCode.REQUEST_TOO_LARGE, problem)
+                await self._submit_full(full)
             splitter.finish()
+            await self._submit_full(full)
         finally:
             splitter.drop()
+            for part in full:  # full, but a stop came first
+                part.file.close()
+
+    async def _submit_full(self, parts: list[OpenPart]) -> None:
+        while parts:
+            await self._submit_new(parts.pop(0))
 
     def _spool(self, url: str) -> IO[bytes]:
         """Where a part is written until uploaded: on disk beside the output, not in memory (200 MB)."""
         return tempfile.TemporaryFile(dir=self.state.path.parent, prefix=".batch-part-")
 
-    def _submit_new(self, part: OpenPart) -> None:
+    async def _submit_new(self, part: OpenPart) -> None:
         with part.file:
             if self.stop.requested:
                 raise Stopped  # not recorded: its requests are simply not done
             record = PartRecord(self.state.next_number(), part.url, part.lines, time.time())
             self.state.record(record)  # before the upload: from here on a re-run looks for its batch
-            self._submit(record, part.file, part.bytes)
+            await self._submit(record, part.file, part.bytes)
         self.inflight[record.number] = _InFlight(record, {r.custom_id: r for r in part.requests})
 
-    def _submit(self, record: PartRecord, file: IO[bytes], size: int) -> None:
+    async def _submit(self, record: PartRecord, file: IO[bytes], size: int) -> None:
         name = f"{self.state.key}-part-{record.number:05d}.jsonl"  # names an orphaned upload's job and part
-        self.state.update(record, file_id=self.api.upload(file, name), status=UPLOADED)
+        self.state.update(record, file_id=await self.api.upload(file, name), status=UPLOADED)
         body = {"input_file_id": record.file_id, "endpoint": record.url,
                 "completion_window": self.spec.completion_window,
                 "metadata": part_metadata(self.state.key, record.number)}
-        batch = self.api.create(body, lambda: self._find(record))
+        batch = await self.api.create(body, partial(self._find, record))
         self.state.update(record, batch_id=batch["id"], status=SUBMITTED)
         notice(f"part {record.number}: {len(record.lines)} request(s), {size:,} bytes → batch {batch['id']}")
 
-    def _find(self, record: PartRecord) -> dict[str, Any] | None:
-        return self.api.find(part_metadata(self.state.key, record.number), record.recorded_at - ADOPT_SLACK_S)
+    async def _find(self, record: PartRecord) -> dict[str, Any] | None:
+        return await self.api.find(part_metadata(self.state.key, record.number), record.recorded_at - ADOPT_SLACK_S)
 
-    def _resume_recorded(self) -> None:
+    async def _resume_recorded(self) -> None:
         """The parts an earlier run recorded and did not merge: wait for their batches (adopting one
         that was created but whose id was never recorded), or submit them if none was created."""
         for number, held in self.held.items():
@@ -465,50 +579,51 @@ class _BatchJob:
                 continue
             if record.batch_id is not None:
                 notice(f"part {number}: waiting for batch {record.batch_id} (submitted by an earlier run)")
-            elif (batch := self._find(record)) is not None:
+            elif (batch := await self._find(record)) is not None:
                 self.state.update(record, batch_id=batch["id"], status=SUBMITTED)
                 notice(f"part {number}: adopted batch {batch['id']}, created before the earlier run stopped")
             else:
-                self._resubmit(record, held)
+                await self._resubmit(record, held)
             self.inflight[number] = _InFlight(record, {r.custom_id: r for r in held})
         self.held.clear()
 
-    def _resubmit(self, record: PartRecord, held: list[BatchRequest]) -> None:
+    async def _resubmit(self, record: PartRecord, held: list[BatchRequest]) -> None:
         """A recorded part whose batch was never created: submitted with the requests still not done."""
         self.state.update(record, lines=[r.line for r in held], file_id=None, status=UPLOADING)
         with self._spool(record.url) as file:
             for request in held:
                 file.write(batch_line(request))
-            self._submit(record, file, file.tell())
+            await self._submit(record, file, file.tell())
 
-    def _poll(self) -> None:
+    async def _poll(self) -> None:
         while self.inflight:
             for number, flight in list(self.inflight.items()):
                 if self.stop.requested:
                     raise Stopped
-                batch = self.api.get(str(flight.record.batch_id))
+                batch = await self.api.get(str(flight.record.batch_id))
                 if batch["status"] in FINAL_STATUSES:
-                    self._merge(flight, batch)
+                    await self._merge(flight, batch)
                     del self.inflight[number]
                 elif batch["status"] != flight.status:
                     counts = batch.get("request_counts") or {}
                     notice(f"part {number}: batch {batch['id']} {batch['status']} "
                         f"({counts.get('completed', 0) + counts.get('failed', 0)}/{counts.get('total', '?')})")
                 flight.status = batch["status"]
-            if self.inflight and sleep_unless(self.stop, self.spec.poll_s):
+            if self.inflight and await sleep_unless(self.stop, self.spec.poll_s):
                 raise Stopped
 
-    def _merge(self, flight: _InFlight, batch: dict[str, Any]) -> None:
+    async def _merge(self, flight: _InFlight, batch: dict[str, Any]) -> None:
         """Every row of a final batch to the sink, each request once; the requests it left
         unanswered get a transient error (a re-run tries them again); then the part is merged."""
         pending, results, errors = dict(flight.requests), 0, 0
         for key in ("output_file_id", "error_file_id"):
             if file_id := batch.get(key):
-                for row in self.api.rows(file_id):
-                    request = pending.pop(str(row.get("custom_id")), None)
-                    if request is not None:  # else done by an earlier run (or not ours: ignored)
-                        ok = hand_row(self.sink, request, row)
-                        results, errors = results + ok, errors + (not ok)
+                async with self.api.rows(file_id) as rows:
+                    for row in rows:
+                        request = pending.pop(str(row.get("custom_id")), None)
+                        if request is not None:  # else done by an earlier run (or not ours: ignored)
+                            ok = hand_row(self.sink, request, row)
+                            results, errors = results + ok, errors + (not ok)
         status = batch["status"]
         why = "; ".join(str(e.get("message")) for e in ((batch.get("errors") or {}).get("data") or [])[:3])
         for request in pending.values():

@@ -15,17 +15,17 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from tokenmill.jobs.input.request import BatchRequest
+from tokenmill.settings import SettingError
 
 OPENAI_MAX_REQUESTS = 50_000  # requests in one batch input file
 OPENAI_MAX_BYTES = 200 * 1024 * 1024  # bytes in one batch input file
 
 
-def check_limits(max_requests: int, max_bytes: int, requests_flag: str, bytes_flag: str) -> None:
-    """ValueError naming the flag for a limit that is not positive."""
-    if max_requests <= 0:
-        raise ValueError(f"{requests_flag} must be positive, got {max_requests}")
-    if max_bytes <= 0:
-        raise ValueError(f"{bytes_flag} must be positive, got {max_bytes}")
+def check_limits(max_requests: int, max_bytes: int, requests_field: str, bytes_field: str) -> None:
+    """SettingError naming the field for a limit that is not positive."""
+    for name, value in ((requests_field, max_requests), (bytes_field, max_bytes)):
+        if value <= 0:
+            raise SettingError(f"{{{name}}} must be positive, got {{got}}", got=value)
 
 
 def too_big(line: bytes, max_bytes: int, bytes_flag: str) -> str | None:

@@ -32,13 +32,16 @@ from typing import Any
 import aiohttp
 import orjson
 
+from tokenmill.environment import CLIENT_API_KEY_ENV
+from tokenmill.http_client import client_session, describe_error
 from tokenmill.jobs.backends.base import BackendStats, ResultSink, StopFlag, notice
-from tokenmill.jobs.backends.http import DOWN_STATUSES, RetryPolicy, code_of_status, error_message
+from tokenmill.jobs.backends.http import DOWN_STATUSES, TIMEOUT_S, RetryPolicy, code_of_status, error_message
 from tokenmill.jobs.backends.rate_limit import Limiter, RateLimit, sleep_unless
 from tokenmill.jobs.errors import JobFailed
 from tokenmill.jobs.input.request import BatchRequest
 from tokenmill.jobs.journal.rows import ErrorCode, is_transient
 from tokenmill.openai_compat import api_root, new_id
+from tokenmill.settings import SettingError, setting
 
 PROBE_PATH = "/v1/models"  # cheap, and served by every OpenAI-compatible server we know
 
@@ -80,25 +83,25 @@ class EndpointSpec:
 
     url: str
     model: str | None = None
-    api_key: str | None = None
-    concurrency: int = 16  # requests in flight
-    timeout_s: float = 600.0  # per attempt
+    api_key: str | None = setting(None, f"bearer token (default: ${' or $'.join(CLIENT_API_KEY_ENV)})")
+    concurrency: int = setting(16, "requests in flight to each endpoint (with --ray: in all replicas together)")
+    timeout_s: float = setting(TIMEOUT_S, "seconds per attempt", flag="--timeout")
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     rate_limit: RateLimit = field(default_factory=RateLimit)
 
     def __post_init__(self) -> None:
         check_server(self.url, self.timeout_s)
         if self.concurrency <= 0:
-            raise ValueError(f"--concurrency must be positive, got {self.concurrency}")
+            raise SettingError("{concurrency} must be positive, got {got}", got=self.concurrency)
 
 
 def check_server(url: str, timeout_s: float) -> None:
     """What every spec of an OpenAI-compatible server asks of its URL and per-call timeout
-    (EndpointSpec, and batch_api.BatchApiSpec): ValueError naming the flag."""
+    (EndpointSpec, and batch_api.BatchApiSpec): SettingError naming the field."""
     if not url.startswith(("http://", "https://")):
-        raise ValueError(f"--endpoint must be an http:// or https:// URL, got {url!r}")
+        raise SettingError("{url} must be an http:// or https:// URL, got {got!r}", got=url)
     if timeout_s <= 0:
-        raise ValueError(f"--timeout must be positive, got {timeout_s:g}")
+        raise SettingError("{timeout_s} must be positive, got {got:g}", got=timeout_s)
 
 
 class Breaker:
@@ -411,7 +414,7 @@ class EndpointBackend:
             return Attempt(code=ErrorCode.TIMEOUT, retry=True, down=True,
                            message=f"no reply within {lane.endpoint.spec.timeout_s:g} s ({type(exc).__name__})")
         except aiohttp.ClientError as exc:  # refused, reset, dropped mid-reply
-            return Attempt(code=ErrorCode.CONNECTION_ERROR, message=_describe(exc), retry=True, down=True)
+            return Attempt(code=ErrorCode.CONNECTION_ERROR, message=describe_error(exc), retry=True, down=True)
         request_id = reply.headers.get("x-request-id") or new_id("req_")
         body = _json_or_none(raw)
         if 200 <= reply.status < 300:
@@ -430,28 +433,8 @@ class EndpointBackend:
 
 def _session(endpoint: _Endpoint, limit: int) -> aiohttp.ClientSession:
     spec = endpoint.spec
-    headers = {"Content-Type": "application/json"}
-    if spec.api_key:
-        headers["Authorization"] = f"Bearer {spec.api_key}"
-    return aiohttp.ClientSession(
-        base_url=endpoint.base_url + "/", headers=headers, timeout=aiohttp.ClientTimeout(total=spec.timeout_s),
-        connector=aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300), json_serialize=_json_text,
-        proxy=_env_proxy(endpoint.base_url),
-    )
-
-
-def _env_proxy(url: str) -> str | None:
-    """The proxy the environment names for `url` (HTTPS_PROXY / HTTP_PROXY, less NO_PROXY), looked
-    up once per endpoint: aiohttp's trust_env looks it up, and reads .netrc in a thread, on every
-    request, which took the job layer from 0.93× to 0.40× a minimal client's requests/s
-    (benchmarks/million_rows.py --only throughput, c=64)."""
-    import urllib.request
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    if parts.hostname is None or urllib.request.proxy_bypass(parts.hostname):
-        return None
-    return urllib.request.getproxies().get(parts.scheme)
+    return client_session(endpoint.base_url, aiohttp.ClientTimeout(total=spec.timeout_s), limit, spec.api_key,
+                          headers={"Content-Type": "application/json"}, json_serialize=_json_text)
 
 
 async def _probe(endpoint: _Endpoint, client: aiohttp.ClientSession) -> str | None:
@@ -461,7 +444,7 @@ async def _probe(endpoint: _Endpoint, client: aiohttp.ClientSession) -> str | No
         async with client.get(PROBE_PATH.lstrip("/"), timeout=timeout) as reply:
             status = reply.status
     except Exception as exc:  # whatever keeps it from answering is a failed probe, named in the end
-        return _describe(exc)
+        return describe_error(exc)
     return f"HTTP {status} from GET {PROBE_PATH}" if status in DOWN_STATUSES else None
 
 
@@ -527,10 +510,6 @@ async def _wait_any(*events: asyncio.Event) -> None:
     finally:
         for waiter in waiters:
             waiter.cancel()
-
-
-def _describe(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _json_or_none(raw: bytes) -> Any:

@@ -1,5 +1,7 @@
 """What every backend that speaks HTTP (a live endpoint, a provider's Batch API) shares: the error
-code of a reply's status, the message of an error body, and how long and how often to try again."""
+code of a reply's status, the message of an error body, and how long and how often to try again.
+The client itself (a session, its proxy, what a request that got no reply raises) is
+tokenmill/http_client.py, which `tokenmill bench` uses too."""
 
 from __future__ import annotations
 
@@ -8,8 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.jobs.journal.rows import ErrorCode, http_code
+from tokenmill.settings import SettingError, setting
 
 DOWN_STATUSES = frozenset({502, 503, 504})  # a gateway saying the server behind it is not there
+TIMEOUT_S = 600.0  # one HTTP attempt's limit, for every backend that speaks HTTP
+RETRY_FOR_S = 600.0  # how long failures are retried, likewise
 
 
 def code_of_status(status: int | None) -> str:
@@ -41,8 +46,11 @@ class RetryPolicy:
     """Every number that decides how long an HTTP backend keeps trying (the Batch API's control calls
     use the backoff and the budget)."""
 
-    retry_for: float = 600.0  # a request's retry budget, and how long the endpoint may be down
-    max_attempts: int | None = None  # an optional extra cap on one request's tries
+    retry_for: float = setting(
+        RETRY_FOR_S, "keep retrying a request's 429s, 5xx, timeouts and lost connections this many seconds; an "
+        "endpoint that stays down this long (no answer to probes) ends the job with exit 3, and a re-run resumes",
+        metavar="SECONDS")
+    max_attempts: int | None = setting(None, "also cap the tries per request (default: no cap, --retry-for decides)")
     base_delay: float = 0.5  # seconds before the 2nd attempt, and before the first probe (then doubled)
     max_delay: float = 30.0  # cap on one request's backoff
     max_retry_after: float = 300.0  # cap on what a server may ask us to wait
@@ -52,7 +60,7 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if self.max_attempts is not None and self.max_attempts < 1:
-            raise ValueError(f"--max-attempts must be >= 1, got {self.max_attempts}")
+            raise SettingError("{max_attempts} must be >= 1, got {got}", got=self.max_attempts)
         check_retry_for(self.retry_for)
 
     def backoff(self, attempt: int, rng: random.Random) -> float:
@@ -74,7 +82,8 @@ class RetryPolicy:
         return min(self.max_probe_delay, self.base_delay * 2**probes)
 
 
-def check_retry_for(seconds: float) -> None:
-    """--retry-for: how long failures are retried (RetryPolicy, and the Batch API's control calls)."""
+def check_retry_for(seconds: float, name: str = "retry_for") -> None:
+    """How long failures are retried (RetryPolicy's, and the Batch API's control calls', whose
+    field is `name`)."""
     if seconds < 0:
-        raise ValueError(f"--retry-for must be >= 0, got {seconds:g}")
+        raise SettingError(f"{{{name}}} must be >= 0, got {{seconds:g}}", seconds=seconds)

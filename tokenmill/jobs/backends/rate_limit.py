@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.jobs.input.request import BatchRequest
+from tokenmill.settings import SettingError, setting
 
 CHARS_PER_TOKEN = 4  # OpenAI's rule of thumb for English text, and what its limiter assumes
 TOKEN_ID_CHARS = CHARS_PER_TOKEN  # a prompt given as token ids: each id is one token
@@ -24,14 +25,20 @@ TOKEN_ID_CHARS = CHARS_PER_TOKEN  # a prompt given as token ids: each id is one 
 class RateLimit:
     """Requests and tokens per minute one endpoint may receive (None: no limit)."""
 
-    requests_per_minute: float | None = None
-    tokens_per_minute: float | None = None
+    requests_per_minute: float | None = setting(
+        None, "send each endpoint at most N requests a minute (OpenAI's RPM), in bursts of at most one second's "
+        "share (default: no limit; with --ray, the replicas share it)", flag="--max-requests-per-minute",
+        metavar="N")
+    tokens_per_minute: float | None = setting(
+        None, "send each endpoint at most N tokens a minute (OpenAI's TPM), counted as OpenAI counts them when "
+        "a request is sent: its prompt's characters ÷ 4 + max_tokens (default: no limit)",
+        flag="--max-tokens-per-minute", metavar="N")
 
     def __post_init__(self) -> None:
-        for flag, value in (("--max-requests-per-minute", self.requests_per_minute),
-                            ("--max-tokens-per-minute", self.tokens_per_minute)):
+        for name in ("requests_per_minute", "tokens_per_minute"):
+            value = getattr(self, name)
             if value is not None and not value > 0:
-                raise ValueError(f"{flag} must be positive, got {value:g}")
+                raise SettingError(f"{{{name}}} must be positive, got {{got:g}}", got=value)
 
     @property
     def limited(self) -> bool:

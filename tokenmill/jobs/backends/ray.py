@@ -38,6 +38,7 @@ from tokenmill.jobs.errors import JobError, JobFailed
 from tokenmill.jobs.input.request import BatchRequest
 from tokenmill.jobs.journal.index import IndexEntry
 from tokenmill.jobs.journal.rows import ErrorCode
+from tokenmill.settings import SettingError, setting
 from tokenmill.vllm_engine.config import VllmConfig
 
 if TYPE_CHECKING:
@@ -49,24 +50,32 @@ POLL_S = 0.1  # how often the driver looks at Ctrl-C while it waits for rows
 
 @dataclass(frozen=True)
 class RayOptions:
-    address: str | None = None  # None: $RAY_ADDRESS or a cluster started on this machine, else a new local one
-    replicas: int = 1  # actors, each with its own engine (or endpoint client)
-    cpus_per_replica: float = 1.0
-    gpus_per_replica: float = 0.0
-    # Requests per map_batches call: the unit Ray retries after an actor dies. None: 4 × what keeps
-    # one replica busy (RaySpec.resolved_options).
-    batch_size: int | None = None
-    no_progress_timeout_s: float = 1800.0  # fail when no batch moves for this long (must exceed one batch)
+    address: str | None = setting(
+        None, "auto, ray://HOST:10001, … (default: $RAY_ADDRESS, a cluster started on this machine, else a new "
+        "local one)", flag="--ray-address")
+    replicas: int = setting(1, "Ray actors, each with its own engine (or endpoint client)")
+    cpus_per_replica: float = setting(1.0, "CPUs each replica reserves (also its torch threads)")
+    gpus_per_replica: float = setting(0.0, "GPUs each replica reserves")
+    # The unit Ray retries after an actor dies. None: 4 × what keeps one replica busy
+    # (RaySpec.resolved_options).
+    batch_size: int | None = setting(
+        None, "requests per batch sent to a replica (default 4 × --max-num-seqs, or 4 × its share of "
+        "--concurrency); the unit re-run when a replica dies", flag="--ray-batch-size")
+    no_progress_timeout_s: float = setting(
+        1800.0, "fail when no batch finishes for this many seconds (keep it above the time one batch takes)",
+        flag="--no-progress-timeout")
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
-            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
-        if self.cpus_per_replica <= 0 or self.gpus_per_replica < 0:
-            raise ValueError("--cpus-per-replica must be > 0 and --gpus-per-replica >= 0")
+            raise SettingError("{replicas} must be >= 1, got {got}", got=self.replicas)
+        if self.cpus_per_replica <= 0:
+            raise SettingError("{cpus_per_replica} must be > 0, got {got:g}", got=self.cpus_per_replica)
+        if self.gpus_per_replica < 0:
+            raise SettingError("{gpus_per_replica} must be >= 0, got {got:g}", got=self.gpus_per_replica)
         if self.batch_size is not None and self.batch_size < 1:
-            raise ValueError(f"--ray-batch-size must be >= 1, got {self.batch_size}")
+            raise SettingError("{batch_size} must be >= 1, got {got}", got=self.batch_size)
         if self.no_progress_timeout_s <= 0:
-            raise ValueError(f"--no-progress-timeout must be > 0, got {self.no_progress_timeout_s}")
+            raise SettingError("{no_progress_timeout_s} must be > 0, got {got}", got=self.no_progress_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -81,11 +90,11 @@ class RaySpec:
     def __post_init__(self) -> None:
         if isinstance(self.replica, tuple):
             if not self.replica:
-                raise ValueError("--ray with endpoints needs at least one --endpoint")
+                raise ValueError("RaySpec.replica: a tuple of endpoints needs at least one")
             total = self.replica[0].concurrency
             if total < self.options.replicas:
-                raise ValueError(f"--concurrency {total} is below --replicas {self.options.replicas}: "
-                                 "each replica needs at least one request in flight")
+                raise SettingError("{concurrency} {total} is below {replicas} {replicas_n}: each replica needs at "
+                                   "least one request in flight", total=total, replicas_n=self.options.replicas)
 
     @property
     def endpoint_share(self) -> int:

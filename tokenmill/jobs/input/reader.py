@@ -36,7 +36,15 @@ import numpy as np
 import orjson
 
 from tokenmill.jobs import storage
-from tokenmill.jobs.input.request import BatchRequest, DocumentOptions, Entry, InputError, LineError
+from tokenmill.jobs.input.request import (
+    ID_COLUMNS,
+    PROMPT_COLUMNS,
+    BatchRequest,
+    DocumentOptions,
+    Entry,
+    InputError,
+    LineError,
+)
 from tokenmill.jobs.input.seen_ids import SeenIds
 from tokenmill.jobs.storage import Location
 from tokenmill.openai_compat import (
@@ -50,6 +58,7 @@ from tokenmill.openai_compat import (
     printable,
     structured_outputs_fields,
 )
+from tokenmill.settings import SettingError
 
 FORMATS = ("auto", "batch", "jsonl", "text", "csv")
 
@@ -68,11 +77,6 @@ SIMPLE_KEYS = frozenset({"prompt", "messages"})  # … else with one of these, t
 
 CSV_DELIMITERS = {".csv": ",", ".tsv": "\t"}  # by suffix; any other file read as CSV is comma-separated
 
-
-PROMPT_COLUMNS = ("prompt", "text")  # a CSV's prompt column when --prompt-column names none
-
-
-ID_COLUMNS = ("custom_id", "id")  # … and its id column, if it has one
 
 
 _DIGITS_AS_ZERO, _LONG_NUMBER = bytes.maketrans(b"0123456789", b"0" * 10), b"0" * 20
@@ -178,7 +182,8 @@ class InputStream:
         if not storage.input_exists(path):
             raise FileNotFoundError(f"input file {str(path)!r} not found")
         if input_format not in FORMATS:
-            raise ValueError(f"--input-format must be one of {FORMATS}, got {input_format!r}")
+            raise SettingError("{input_format} must be one of {formats}, got {got!r}", formats=FORMATS,
+                               got=input_format)
         self.path, self.options, self.check = path, options, check
         self.format = detect_format(path) if input_format == "auto" else input_format
         self.csv_layout: CsvLayout | None = None  # a CSV's header, once read
@@ -353,17 +358,19 @@ class CsvLayout:
         doubled = sorted({name for name in columns if columns.count(name) > 1})
         if doubled:
             raise ValueError(f"the CSV header names a column twice: {', '.join(doubled)}")
-        prompt = cls._column(columns, options.prompt_column, PROMPT_COLUMNS, "--prompt-column")
+        prompt = cls._column(columns, options.prompt_column, PROMPT_COLUMNS, "prompt_column")
         if prompt is None:
-            raise ValueError(f"the CSV has no {' or '.join(map(repr, PROMPT_COLUMNS))} column for the prompt; "
-                             f"name one with --prompt-column (columns: {', '.join(columns)})")
-        return cls(columns, delimiter, prompt, cls._column(columns, options.id_column, ID_COLUMNS, "--id-column"))
+            raise SettingError("the CSV has no {defaults} column for the prompt; name one with {prompt_column} "
+                               "(columns: {columns})", defaults=" or ".join(map(repr, PROMPT_COLUMNS)),
+                               columns=", ".join(columns))
+        return cls(columns, delimiter, prompt, cls._column(columns, options.id_column, ID_COLUMNS, "id_column"))
 
     @staticmethod
-    def _column(columns: tuple[str, ...], named: str | None, defaults: tuple[str, ...], flag: str) -> int | None:
+    def _column(columns: tuple[str, ...], named: str | None, defaults: tuple[str, ...], field: str) -> int | None:
         if named is not None:
             if named not in columns:
-                raise ValueError(f"{flag} {named!r}: the CSV has no such column (columns: {', '.join(columns)})")
+                raise SettingError(f"{{{field}}} {{named!r}}: the CSV has no such column (columns: {{columns}})",
+                                   named=named, columns=", ".join(columns))
             return columns.index(named)
         return next((columns.index(name) for name in defaults if name in columns), None)
 

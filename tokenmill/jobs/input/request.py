@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from tokenmill.engine import DEFAULT_MAX_TOKENS, MAX_LOGPROBS
+from tokenmill.engine import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, MAX_LOGPROBS
 from tokenmill.openai_compat import (
     MAX_COMPLETION_LOGPROBS,
     OpenAIRequest,
@@ -15,6 +15,10 @@ from tokenmill.openai_compat import (
     requested_max_tokens,
     structured_outputs_fields,
 )
+from tokenmill.settings import SettingError, setting
+
+PROMPT_COLUMNS = ("prompt", "text")  # a CSV's prompt column when DocumentOptions.prompt_column names none
+ID_COLUMNS = ("custom_id", "id")  # … and its id column, if it has one
 
 
 class LineError(ValueError):
@@ -25,33 +29,44 @@ class LineError(ValueError):
 class DocumentOptions:
     """How documents become requests, and what fills the gaps in every request body."""
 
-    system: str | None = None  # a system message for documents (and messages without one)
-    template: str | None = None  # the user message, with "{text}" where the document goes
-    max_tokens: int | None = None  # None: DEFAULT_MAX_TOKENS, for every backend alike
-    temperature: float | None = None
+    system: str | None = setting(None, "system message for each document (and message lists without one)")
+    template: str | None = setting(None, 'user message with "{text}" where the document goes')
+    max_tokens: int | None = setting(
+        None, f"for bodies without max_tokens, whatever the backend (default {DEFAULT_MAX_TOKENS}); the summary "
+        "counts the rows it capped")
+    temperature: float | None = setting(
+        None, f"for bodies without temperature (default {DEFAULT_TEMPERATURE:g}, OpenAI's; 0 = greedy)")
     model: str | None = None  # sets body["model"] (what an endpoint serves the request with)
-    prompt_column: str | None = None  # CSV: the prompt's column (default: the first of PROMPT_COLUMNS)
-    id_column: str | None = None  # CSV: the custom_id's column (default: the first of ID_COLUMNS, else line-N)
-    completions: bool = False  # documents as /v1/completions prompts instead of chat
+    prompt_column: str | None = setting(None, f"the prompt's column (default: {' or '.join(PROMPT_COLUMNS)})",
+                                        metavar="NAME")
+    id_column: str | None = setting(
+        None, f"the custom_id's column (default: {' or '.join(ID_COLUMNS)} if there is one, else line-N)",
+        metavar="NAME")
+    completions: bool = setting(False, "send documents to /v1/completions as plain prompts instead of chat")
     # The body field(s) asking for a structured output (openai_compat.structured_outputs_body), for
     # every body that asks for none of its own.
     structured_outputs: dict[str, Any] | None = None
     # Each answer token's logprob and this many alternatives, asked in each body's own words (chat:
     # logprobs + top_logprobs; completions: logprobs), for every body that asks for none of its own.
-    logprobs: int | None = None
+    logprobs: int | None = setting(
+        None, f"return each answer token's log-probability and the N most likely alternatives (0..{MAX_LOGPROBS}), "
+        "OpenAI-shaped, in every result row (rows that say whether they want logprobs keep their own; "
+        "/v1/completions rows take 0..5)", metavar="N")
 
     def __post_init__(self) -> None:
         if self.template is not None and "{text}" not in self.template:
-            raise ValueError(f'--template must contain "{{text}}" where the document goes, got {self.template!r}')
+            raise SettingError('{template} must contain "{{text}}" where the document goes, got {got!r}',
+                               got=self.template)
         if self.max_tokens is not None and self.max_tokens <= 0:
-            raise ValueError(f"--max-tokens must be positive, got {self.max_tokens}")
+            raise SettingError("{max_tokens} must be positive, got {got}", got=self.max_tokens)
         if self.temperature is not None and self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+            raise SettingError("{temperature} must be >= 0, got {got}", got=self.temperature)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+            raise SettingError("{logprobs} must be in [0, {high}], got {got}", high=MAX_LOGPROBS, got=self.logprobs)
         if self.completions and self.logprobs is not None and self.logprobs > MAX_COMPLETION_LOGPROBS:
-            raise ValueError(f"--logprobs {self.logprobs} with --completions: /v1/completions takes at most "
-                             f"{MAX_COMPLETION_LOGPROBS} alternatives (OpenAI's limit); chat takes {MAX_LOGPROBS}")
+            raise SettingError("{logprobs} {got} with {completions}: /v1/completions takes at most {high} "
+                               "alternatives (OpenAI's limit); chat takes {chat_high}", got=self.logprobs,
+                               high=MAX_COMPLETION_LOGPROBS, chat_high=MAX_LOGPROBS)
 
     def fingerprint(self) -> dict[str, Any]:
         """The options that change what a request asks for (hence its result)."""
