@@ -16,5 +16,5 @@ if [ ! -d "$DIR/src" ]; then
 fi
 cd "$DIR/src/vendor/llama.cpp"
 cmake -B build -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON >/dev/null
-cmake --build build -j2 --target llama-bench llama-batched-bench llama-perplexity llama-tokenize
-ls -la build/bin/llama-bench build/bin/llama-batched-bench build/bin/llama-perplexity build/bin/llama-tokenize
+cmake --build build -j2 --target llama-bench llama-batched-bench llama-perplexity llama-tokenize llama-quantize
+ls -la build/bin/llama-bench build/bin/llama-batched-bench build/bin/llama-perplexity build/bin/llama-tokenize build/bin/llama-quantize

@@ -5,6 +5,13 @@ the engine scored on llama.cpp's own tokens of the text (`llama-tokenize`): the 
     python benchmarks/vs_llamacpp.py                                  # both models, both shapes
     python benchmarks/vs_llamacpp.py --models smollm2 --shapes 256x64 --batches 1,32 --rounds 1
     python benchmarks/vs_llamacpp.py --threads 1,2 --shapes 256x64 --batches 32   # thread scaling
+    python benchmarks/vs_llamacpp.py --models set,smollm2 --shapes 256x64 --batches 1,8   # the model set too
+    python benchmarks/vs_llamacpp.py --models qwen3-1.7b-Q4_K_M,llama-1.1b-Q8_0,path/to/model.gguf
+
+--models takes the two real models by name (smollm2, gemma3-270m), the files of the benchmark set
+of real shapes with random weights by name (NAME-QUANT, as `python benchmarks/model_set.py --list`
+prints them; `set` for all of them that are built; benchmarks/model_set.py builds them), and GGUF
+paths.
 
 A shape PPxTG is B prompts of PP random tokens, each generating TG tokens with EOS ignored, prefix
 caching off. llama-batched-bench prefills all B prompts, then decodes B sequences TG times; the
@@ -18,8 +25,10 @@ two under the same conditions (this machine's speed drifts); the table is the me
 ratios. Every figure carries the CPU seconds other processes used meanwhile, and the memory read
 rate measured just before it (a 256 MiB sum on the same threads, on huge pages as the engine's
 weights are): a decode step reads every weight, so at batch 1 that rate over the engine's weight
-bytes is the decode ceiling of that moment, printed beside the engine's batch-1 decode. llama.cpp
-comes from `bash benchmarks/setup_llamacpp.sh`.
+bytes is the decode ceiling of that moment, printed beside the engine's batch-1 decode. Those bytes
+are printed for each model beside llama.cpp's for the same file (its tensors, less the embedding
+table unless that is the output layer too), and kept in the results. llama.cpp comes from
+`bash benchmarks/setup_llamacpp.sh`.
 """
 
 from __future__ import annotations
@@ -37,10 +46,15 @@ from pathlib import Path
 
 import torch
 
+# Beside this file, on the path when it runs as a script: the benchmark set's names and files.
+from model_set import BUILD_COMMAND, SET_DIR, set_file, set_models
+
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.runner import CpuMeter, environment
 from tokenmill.engine.perplexity import perplexity, perplexity_of_tokens
-from tokenmill.environment import named_model_path
+from tokenmill.environment import NAMED_MODELS, named_model_path
+from tokenmill.formats.gguf_config import ROPE_FREQS
+from tokenmill.formats.gguf_header import read_gguf_header
 from tokenmill.models.huge_pages import huge_page_empty
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,6 +106,42 @@ def weight_bytes(llm: LLM) -> int:
             seen.add(tensor.data_ptr())
             total += tensor.numel() * tensor.element_size()
     return total
+
+
+def llama_cpp_weight_bytes(path: Path) -> int:
+    """Bytes of the tensors llama.cpp reads in a batch-1 decode step of this GGUF: all of them but
+    the token embedding table (a row a token), unless there is no output tensor and it is the output
+    layer too; not the RoPE frequency factors, as weight_bytes leaves out the engine's RoPE tables."""
+    tensors = read_gguf_header(path).tensors
+    tied = "output.weight" not in tensors
+    return sum(info.n_bytes for name, info in tensors.items()
+               if name != ROPE_FREQS and (tied or name != "token_embd.weight"))
+
+
+def model_paths(names: list[str]) -> dict[str, Path]:
+    """--models as {name: GGUF}: a real model by name, a file of the benchmark set by name (`set`:
+    all of them that are built), or a path; SystemExit for a set file not built, naming the command."""
+    paths: dict[str, Path] = {}
+    for name in names:
+        if name == "set":
+            built = {model: set_file(*model.rsplit("-", 1)) for model in set_models()}
+            if not any(path.is_file() for path in built.values()):
+                raise SystemExit(f"no file of the benchmark set in {SET_DIR}: build them with `{BUILD_COMMAND}`")
+            paths |= {model: path for model, path in built.items() if path.is_file()}
+        elif name in NAMED_MODELS:
+            paths[name] = named_model_path(name)
+        elif name in set_models():
+            shape, quant = name.rsplit("-", 1)
+            if not set_file(shape, quant).is_file():
+                raise SystemExit(f"{set_file(shape, quant)}: not built; build it with "
+                                 f"`{BUILD_COMMAND} --shapes {shape} --quants {quant}`")
+            paths[name] = set_file(shape, quant)
+        elif Path(name).is_file():
+            paths[Path(name).stem] = Path(name)
+        else:
+            raise SystemExit(f"--models {name}: no such file, and not a model name (known: "
+                             f"{', '.join([*NAMED_MODELS, 'set', *set_models()])})")
+    return paths
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -161,13 +211,17 @@ def tokenmill_cell(llm: LLM, model: str, shape: str, batch: int, threads: int, r
 # ---- the run --------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> dict:
     rng = random.Random(0)
-    paths = {name: named_model_path(name) for name in args.models}
+    paths = model_paths(args.models)
+    decode_bytes: dict[str, dict[str, int]] = {}  # per model: what a batch-1 decode step reads, each engine
     rounds: list[list[Cell]] = []
     for r in range(args.rounds):
         cells: list[Cell] = []
         for threads in args.threads:
             for model, path in paths.items():
                 llm = load(path, threads)
+                if model not in decode_bytes:
+                    decode_bytes[model] = {"tokenmill": weight_bytes(llm), "llama.cpp": llama_cpp_weight_bytes(path)}
+                    _print_decode_bytes(model, decode_bytes[model])
                 for shape in args.shapes:
                     cells += llama_batched_bench(model, path, shape, args.batches, threads)
                     cells += [tokenmill_cell(llm, model, shape, b, threads, rng) for b in args.batches]
@@ -176,10 +230,12 @@ def run(args: argparse.Namespace) -> dict:
         rounds.append(cells)
     table = _ratios(rounds)
     results: dict = {"environment": environment(), "rounds": [[asdict(c) for c in cells] for cells in rounds],
-                     "table": table}
+                     "table": table, "decode_bytes": decode_bytes}
     if args.perplexity:
         results["perplexity"] = {model: _perplexities(path, max(args.threads)) for model, path in paths.items()}
     _print_table(table, results.get("perplexity", {}))
+    for model, both in decode_bytes.items():
+        _print_decode_bytes(model, both)
     return results
 
 
@@ -204,9 +260,14 @@ def _perplexities(path: Path, threads: int) -> dict:
             "tokenmill, own tokenizer": round(own, 4)}
 
 
+def _print_decode_bytes(model: str, both: dict[str, int]) -> None:
+    print(f"{model}: a batch-1 decode step reads {both['tokenmill'] / 1e6:,.1f} MB of weights in tokenmill, "
+          f"{both['llama.cpp'] / 1e6:,.1f} MB in llama.cpp ({both['tokenmill'] / both['llama.cpp']:.2f}x)", flush=True)
+
+
 def _print_round(r: int, cells: list[Cell]) -> None:
     for c in sorted(cells, key=lambda c: (c.batch, c.engine)):
-        print(f"round {r + 1} {c.model:12s} {c.shape:9s} B{c.batch:<3d} t{c.threads} {c.engine:9s} "
+        print(f"round {r + 1} {c.model:17s} {c.shape:9s} B{c.batch:<3d} t{c.threads} {c.engine:9s} "
               f"out {c.out_tok_s:7.1f} tok/s  prefill {c.prefill_tok_s:7.1f}  decode {c.decode_tok_s:7.1f}  "
               f"wall {c.wall_s:6.1f} s  (other processes: {c.other_cpu_s} CPU-s; memory read {c.read_gb_s:.1f} GB/s"
               + (f": batch-1 decode ceiling {c.decode_ceiling_tok_s:.0f} tok/s)" if c.decode_ceiling_tok_s else ")"),
@@ -230,9 +291,9 @@ def _ratios(rounds: list[list[Cell]]) -> list[dict]:
 
 def _print_table(table: list[dict], ppl: dict) -> None:
     print("\nout tok/s end to end, medians of the rounds (ratio: median of the rounds' tokenmill / llama.cpp)")
-    print(f"{'model':12s} {'shape':9s} {'thr':>3s} {'batch':>5s} {'tokenmill':>9s} {'llama.cpp':>9s} {'ratio':>6s}")
+    print(f"{'model':17s} {'shape':9s} {'thr':>3s} {'batch':>5s} {'tokenmill':>9s} {'llama.cpp':>9s} {'ratio':>6s}")
     for row in table:
-        print(f"{row['model']:12s} {row['shape']:9s} {row['threads']:3d} {row['batch']:5d} {row['tokenmill']:9.1f} "
+        print(f"{row['model']:17s} {row['shape']:9s} {row['threads']:3d} {row['batch']:5d} {row['tokenmill']:9.1f} "
               f"{row['llama.cpp']:9.1f} {row['ratio']:5.2f}x")
     for model, p in ppl.items():
         print(f"perplexity {model}: tokenmill {p['tokenmill']} vs llama.cpp {p['llama.cpp']} ({p['change']}) on "
