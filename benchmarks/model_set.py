@@ -31,6 +31,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,15 +72,33 @@ SHAPES: list[dict[str, Any]] = [
         "sliding_window_pattern": 6, "tie_word_embeddings": True, "max_position_embeddings": 32768}},
 ]
 SHAPE_NAMES = [shape["name"] for shape in SHAPES]
+VOCAB_SIZE = 49_152  # SmolLM2's tokenizer's: every model of the set is built with it
 
 
-def set_file(name: str, quant: str) -> Path:
-    return SET_DIR / f"{name}-{quant}.gguf"
+@dataclass(frozen=True)
+class SetFile:
+    """One file of the set: a shape in one llama-quantize type."""
+
+    shape: str
+    quant: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.shape}-{self.quant}"
+
+    @property
+    def path(self) -> Path:
+        return SET_DIR / f"{self.name}.gguf"
+
+    @property
+    def build_command(self) -> str:
+        return f"{BUILD_COMMAND} --shapes {self.shape} --quants {self.quant}"
 
 
-def set_models() -> list[str]:
-    """Every file name of the set (less .gguf): NAME-QUANT."""
-    return [f"{name}-{quant}" for name in SHAPE_NAMES for quant in QUANTS]
+def set_files() -> dict[str, SetFile]:
+    """Every file of the set by name (NAME-QUANT), built or not."""
+    files = [SetFile(shape, quant) for shape in SHAPE_NAMES for quant in QUANTS]
+    return {f.name: f for f in files}
 
 
 def smollm2_tokenizer() -> Any:
@@ -98,8 +117,10 @@ def save_random_model(shape: dict[str, Any], tokenizer: Any, folder: Path, seed:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if len(tokenizer) != VOCAB_SIZE:
+        raise SystemExit(f"the SmolLM2 tokenizer has {len(tokenizer)} tokens, not {VOCAB_SIZE}: update VOCAB_SIZE")
     fields = dict(shape["config"])
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields, vocab_size=len(tokenizer),
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields, vocab_size=VOCAB_SIZE,
                                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                   pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
@@ -146,7 +167,7 @@ def quantize(source: Path, quant: str, target: Path) -> None:
 
 def build_shape(shape: dict[str, Any], quants: list[str], seed: int, keep: bool) -> list[Path]:
     """The shape's files for `quants`, making only those missing; returns them all."""
-    name, targets = shape["name"], {quant: set_file(shape["name"], quant) for quant in quants}
+    name, targets = shape["name"], {quant: SetFile(shape["name"], quant).path for quant in quants}
     missing = [quant for quant, path in targets.items() if not path.is_file()]
     folder, bf16 = SET_DIR / f"{name}-hf", SET_DIR / f"{name}-BF16.gguf"
     if missing:
@@ -192,7 +213,7 @@ def main() -> None:
     if args.list:
         for name in args.shapes:
             files = ", ".join(f"{p.name} ({'there' if p.is_file() else 'missing'})" for p in
-                              (set_file(name, quant) for quant in args.quants))
+                              (SetFile(name, quant).path for quant in args.quants))
             print(f"{name} (shape of {shapes[name]['published']}): {files}")
         return
     for tool in (CONVERT, QUANTIZE):

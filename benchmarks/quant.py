@@ -30,6 +30,7 @@ from tokenmill.environment import embedded_model_path
 from tokenmill.models import kernels as kernels_lib
 from tokenmill.models.packed import PackedLinear
 from tokenmill.models.quant import QuantizedLinear, quantize
+from tokenmill.plan.model_specs import spec_from_hf_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "benchmarks" / "corpus.txt"
@@ -88,17 +89,16 @@ def set_shapes() -> list[tuple[str, int, int, int]]:
     """The layer shapes of benchmarks/model_set.py's models, as the engine fuses them (q/k/v, gate/up),
     at 4 and 8 bits, and each tied lm_head (the SmolLM2 vocabulary) at 8."""
     from model_set import SHAPES as MODELS  # beside this script
+    from model_set import VOCAB_SIZE
 
     shapes = []
     for model in MODELS:
-        c = model["config"]
-        hidden, inter = c["hidden_size"], c["intermediate_size"]
-        head_dim = c.get("head_dim", hidden // c["num_attention_heads"])
-        q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
-        layers = [("qkv", q + 2 * kv, hidden), ("o", hidden, q), ("gate_up", 2 * inter, hidden),
-                  ("down", hidden, inter)]
-        shapes += [(f"{model['name']} {layer}", n, k, bits) for layer, n, k in layers for bits in (4, 8)]
-        shapes.append((f"{model['name']} lm_head", 49152, hidden, 8))
+        m = spec_from_hf_config({**model["config"], "vocab_size": VOCAB_SIZE}, model["name"])
+        q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+        layers = [("qkv", q + 2 * kv, m.hidden_size), ("o", m.hidden_size, q),
+                  ("gate_up", 2 * m.ffn_size, m.hidden_size), ("down", m.hidden_size, m.ffn_size)]
+        shapes += [(f"{m.name} {layer}", n, k, bits) for layer, n, k in layers for bits in (4, 8)]
+        shapes.append((f"{m.name} lm_head", m.vocab_size, m.hidden_size, 8))
     return shapes
 
 
@@ -126,8 +126,7 @@ def int8_peak() -> dict:
 
 def kernels(args: argparse.Namespace) -> dict:
     """GMAC/s per layer shape and row count: the kernel this CPU takes (AVX-512 VNNI where it has
-    it), the builds of the same source without its features, and oneDNN fp32; against the measured
-    int8 peak."""
+    it), the AVX2 build of the same source, and oneDNN fp32; against the measured int8 peak."""
     torch.manual_seed(0)
     peak = int8_peak()
     # The CPU's peak, the fastest of the instructions it has (where 512-bit vpdpbusd runs at the
@@ -136,12 +135,7 @@ def kernels(args: argparse.Namespace) -> dict:
     print(f"int8 peak, {peak['threads']} threads at ~{peak['clock_ghz']:.2f} GHz: vpmaddubsw (+ its add) "
           f"{peak['maddubs_gmacs']:.0f} GMAC/s, vpdpbusd {peak.get('dpbusd_gmacs', 'n/a')} GMAC/s (256-bit), "
           f"{peak.get('dpbusd512_gmacs', 'n/a')} GMAC/s (512-bit)", flush=True)
-    # The same source built without the features this CPU's path takes: AVX2 alone, and the 256-bit
-    # VNNI tiles where the CPU has the 512-bit ones.
-    flags = {"q avx2": ("-mno-avx512vnni",)}
-    if "dpbusd512_gmacs" in peak:
-        flags["q vnni256"] = ("-DQUANT_GEMM_VNNI_256",)
-    variants = {key: lib for key, lib in ((key, kernels_lib.variant(f)) for key, f in flags.items()) if lib}
+    avx2 = kernels_lib.variant(("-mno-avx512vnni",))
     results: dict = {"peak": peak}
     meter = CpuMeter()
     for name, n, k, bits in SHAPES if args.shapes == "small" else set_shapes():
@@ -154,8 +148,9 @@ def kernels(args: argparse.Namespace) -> dict:
             x = torch.randn(m, k)
             reps = max(3, int(5e7 / (m * n * k)))
             rate = {"q": m * n * k / _best_seconds(quantized, x, reps) / 1e9}
-            for key, lib in variants.items():
-                rate[key] = m * n * k / _best_seconds(partial(_run_on, lib, quantized), x, reps) / 1e9
+            if avx2 is not None:
+                on_avx2 = partial(_run_on, avx2, quantized)
+                rate["q avx2"] = m * n * k / _best_seconds(on_avx2, x, reps) / 1e9
             if fp32 is not None:
                 rate["fp32"] = m * n * k / _best_seconds(fp32, x, reps) / 1e9
             rate["q % of peak"] = 100 * rate["q"] / top

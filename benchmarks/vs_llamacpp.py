@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 # Beside this file, on the path when it runs as a script: the benchmark set's names and files.
-from model_set import BUILD_COMMAND, SET_DIR, set_file, set_models
+from model_set import BUILD_COMMAND, SET_DIR, set_files
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.runner import CpuMeter, environment
@@ -122,25 +122,24 @@ def model_paths(names: list[str]) -> dict[str, Path]:
     """--models as {name: GGUF}: a real model by name, a file of the benchmark set by name (`set`:
     all of them that are built), or a path; SystemExit for a set file not built, naming the command."""
     paths: dict[str, Path] = {}
+    files = set_files()
     for name in names:
         if name == "set":
-            built = {model: set_file(*model.rsplit("-", 1)) for model in set_models()}
-            if not any(path.is_file() for path in built.values()):
+            built = {model: f.path for model, f in files.items() if f.path.is_file()}
+            if not built:
                 raise SystemExit(f"no file of the benchmark set in {SET_DIR}: build them with `{BUILD_COMMAND}`")
-            paths |= {model: path for model, path in built.items() if path.is_file()}
+            paths |= built
         elif name in NAMED_MODELS:
             paths[name] = named_model_path(name)
-        elif name in set_models():
-            shape, quant = name.rsplit("-", 1)
-            if not set_file(shape, quant).is_file():
-                raise SystemExit(f"{set_file(shape, quant)}: not built; build it with "
-                                 f"`{BUILD_COMMAND} --shapes {shape} --quants {quant}`")
-            paths[name] = set_file(shape, quant)
+        elif name in files:
+            if not files[name].path.is_file():
+                raise SystemExit(f"{files[name].path}: not built; build it with `{files[name].build_command}`")
+            paths[name] = files[name].path
         elif Path(name).is_file():
             paths[Path(name).stem] = Path(name)
         else:
             raise SystemExit(f"--models {name}: no such file, and not a model name (known: "
-                             f"{', '.join([*NAMED_MODELS, 'set', *set_models()])})")
+                             f"{', '.join([*NAMED_MODELS, 'set', *files])})")
     return paths
 
 

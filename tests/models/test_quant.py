@@ -48,13 +48,9 @@ def _integer_reference(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None)
     return y if bias is None else y + bias.double()
 
 
-# The paths a CPU with AVX-512 would not take, built with the flags that turn its features off:
-# the AVX2 tiles, and the 256-bit VNNI ones (a CPU with VNNI but without 512-bit registers).
-VARIANT_FLAGS = {"avx2": ("-mno-avx512vnni",), "vnni256": ("-DQUANT_GEMM_VNNI_256",)}
-
-
-def _variant_kernels(isa: str) -> ctypes.CDLL:
-    lib = kernels.variant(VARIANT_FLAGS[isa])
+def _avx2_kernels() -> ctypes.CDLL:
+    """The kernels without AVX-512 VNNI: on a CPU that has it, the AVX2 path is tested this way."""
+    lib = kernels.variant(("-mno-avx512vnni",))
     assert lib is not None
     return lib
 
@@ -67,7 +63,7 @@ def _run(lib: ctypes.CDLL, layer: QuantizedLinear, x: torch.Tensor) -> torch.Ten
 
 
 @needs_kernel
-@pytest.mark.parametrize("isa", ["native", "avx2", "vnni256"])
+@pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("scales", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("m", "n", "k"),
@@ -76,8 +72,8 @@ def _run(lib: ctypes.CDLL, layer: QuantizedLinear, x: torch.Tensor) -> torch.Ten
 def test_kernel_computes_the_integer_block_dot_products(
         isa: str, bits: int, scales: torch.dtype, m: int, n: int, k: int) -> None:
     """fp16: scales (and minimums) a GGUF would hold, which the layer keeps in fp16. native: the
-    path this CPU takes (AVX-512 VNNI, 512 bits wide, where it has it); avx2 and vnni256: the
-    kernels built without VNNI, and without the 512-bit tiles."""
+    path this CPU takes (AVX-512 VNNI where it has it, with a lone last group on AVX2 at n = 40 and
+    136); avx2: the kernels built without VNNI."""
     torch.manual_seed(m * n + k)
     w, x = quantize(torch.randn(n, k), bits), torch.randn(m, k) * 3
     if scales == torch.float16:
@@ -86,25 +82,9 @@ def test_kernel_computes_the_integer_block_dot_products(
     for bias in (None, torch.randn(n)):
         layer = QuantizedLinear(w, bias)
         assert layer.scale.dtype == scales
-        got = (layer(x) if isa == "native" else _run(_variant_kernels(isa), layer, x)).double()
+        got = (layer(x) if isa == "native" else _run(_avx2_kernels(), layer, x)).double()
         want = _integer_reference(x, w, bias)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), f"{bits}-bit {m}x{n}x{k}"
-
-
-@needs_kernel
-@pytest.mark.parametrize("bits", [4, 5, 8])
-@pytest.mark.parametrize("scales", [torch.float32, torch.float16])
-def test_wide_tiles_give_the_256_bit_tiles_bits(bits: int, scales: torch.dtype) -> None:
-    """The 512-bit VNNI tiles do lane for lane what the two-group 256-bit ones do: the same bits
-    out (on a CPU without AVX-512 both builds take the 256-bit tiles or the AVX2 ones)."""
-    torch.manual_seed(bits)
-    w = quantize(torch.randn(72, 256), bits)  # 9 groups: four 16-column tiles and a lone group
-    if scales == torch.float16:
-        w = Quantized(bits, w.q, w.scale.half().float(), None if w.min is None else w.min.half().float())
-    layer = QuantizedLinear(w, torch.randn(72))
-    for m in (1, 2, 3, 4, 7, 70):
-        x = torch.randn(m, 256) * 3
-        assert torch.equal(layer(x), _run(_variant_kernels("vnni256"), layer, x)), m
 
 
 def test_quantize_round_trips_within_half_a_step() -> None:
@@ -192,7 +172,7 @@ def test_five_bit_blocks_join_eight_bit_ones_exactly() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("isa", ["native", "avx2", "vnni256"])
+@pytest.mark.parametrize("isa", ["native", "avx2"])
 def test_five_bit_blocks_compute_what_eight_bit_ones_do(isa: str) -> None:
     """The same values held in 5 or in 8 bits give the same bits out: both take Σ q·x exactly in
     int32 (5 bits: unsigned q + 16 less 16 · Σ x_q, unpacked to 8-bit vectors for VNNI at more than
@@ -204,7 +184,7 @@ def test_five_bit_blocks_compute_what_eight_bit_ones_do(isa: str) -> None:
     layers = QuantizedLinear(five), QuantizedLinear(eight)
     for m in (1, 3, 5, 70, 130, 300):
         x = torch.randn(m, 192) * 3
-        got, want = ((layer(x) if isa == "native" else _run(_variant_kernels(isa), layer, x)) for layer in layers)
+        got, want = ((layer(x) if isa == "native" else _run(_avx2_kernels(), layer, x)) for layer in layers)
         assert torch.equal(got, want), m
 
 

@@ -26,13 +26,12 @@
  * Two instruction paths over the same layouts:
  * - AVX2: `maddubs` (u8 × s8 pairs summed into int16) then `madd` to widen: three instructions per
  *   32 MACs, one tile of up to 4 rows × 8 columns.
- * - AVX-512 VNNI (with VL: 256-bit `vpdpbusd`, Zen 4, Ice Lake and later): u8 × s8 products summed
- *   straight into int32 lanes, one instruction per 32 MACs, and 32 vector registers, so a tile is
- *   up to 4 rows × 16 columns (two groups): each weight vector loaded serves 4 rows, each
- *   broadcast activation 2 groups. 8-bit weights are signed; flipping their top bit makes them
- *   u8 (w + 128), and the block's 128 · Σ x_q is taken off the int32 sum, exactly.
- *   With AVX-512F the two groups of a tile go in one 512-bit register instead (the same lanes,
- *   the same results), halving the instructions per MAC.
+ * - AVX-512 VNNI (Zen 4, Ice Lake and later): u8 × s8 products summed straight into int32 lanes
+ *   by 512-bit `vpdpbusd`, one instruction per 64 MACs. A tile is up to 4 rows × 16 columns: a
+ *   zmm holds a 32-byte vector of each of two groups side by side, so each weight vector loaded
+ *   serves 4 rows, and the per-block epilogue (convert, scale, add) is paid once for 16 columns.
+ *   8-bit weights are signed; flipping their top bit makes them u8 (w + 128), and the block's
+ *   128 · Σ x_q is taken off the int32 sum, exactly. A lone last group takes the AVX2 tile.
  */
 #include <math.h>
 #include <stdint.h>
@@ -254,121 +253,11 @@ static inline __attribute__((always_inline)) void q5_tile(
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define VNNI 1
-#define GROUP_TILE 2  /* 8-column groups per VNNI tile */
-/* Independent int32 sums per (row, group) and block: vpdpbusd's latency is ~4 cycles at 2 a cycle,
- * so a tile of few rows would wait on one chain; its sums are split and added at the block's end. */
+#define GROUP_TILE 2  /* 8-column groups per VNNI tile: one 512-bit register holds a vector of each */
+/* Independent int32 sums per row and block: vpdpbusd's latency is ~4 cycles at 2 a cycle, so a tile
+ * of few rows would wait on one chain; its sums are split and added at the block's end. */
 #define MAX_CHAINS 4
 #define CHAINS(R) ((R) == 1 ? 4 : (R) == 2 ? 2 : 1)
-
-static inline __attribute__((always_inline)) __m256i chain_sum(const __m256i *chain, const int n) {
-    __m256i total = chain[0];
-    for (int c = 1; c < n; c++) total = _mm256_add_epi32(total, chain[c]);
-    return total;
-}
-
-/* A VNNI tile's R × G accumulators into y, group by group (store_tile's bias and accumulate). */
-static inline __attribute__((always_inline)) void store_groups(
-    __m256 acc[ROW_TILE][GROUP_TILE], const float *bias, float *y, int N, int accumulate, const int R, const int G) {
-    for (int g = 0; g < G; g++) {
-        __m256 out[ROW_TILE];
-        for (int r = 0; r < R; r++) out[r] = acc[r][g];
-        store_tile(out, bias ? bias + 8 * g : 0, y + 8 * g, N, accumulate, R);
-    }
-}
-
-/* R rows × G 8-column groups of 4-bit weights (VNNI). Groups are `gw` bytes and `gv` block values
- * apart. */
-static inline __attribute__((always_inline)) void q4_tile_vnni(
-    const int8_t *xq, const float *xs, const float *xsum, const uint8_t *w, int64_t gw, const void *ws,
-    const void *wm, int64_t gv, const float *bias, float *y, int K, int N, int accumulate, const int half,
-    const int R, const int G) {
-    const int KB = K / BLOCK, NC = CHAINS(R);
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    __m256 acc[ROW_TILE][GROUP_TILE];
-    for (int r = 0; r < R; r++)
-        for (int g = 0; g < G; g++) acc[r][g] = _mm256_setzero_ps();
-    for (int kb = 0; kb < KB; kb++) {
-        __m256i sums[ROW_TILE][GROUP_TILE][MAX_CHAINS];
-        for (int r = 0; r < R; r++)
-            for (int g = 0; g < G; g++)
-                for (int c = 0; c < NC; c++) sums[r][g][c] = _mm256_setzero_si256();
-        for (int p = 0; p < 4; p++) {
-            __m256i lo[GROUP_TILE], hi[GROUP_TILE];
-            for (int g = 0; g < G; g++) {
-                const __m256i packed = _mm256_loadu_si256((const __m256i *)(w + g * gw + (int64_t)kb * 128 + 32 * p));
-                lo[g] = _mm256_and_si256(packed, low);
-                hi[g] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-            }
-            for (int r = 0; r < R; r++) {
-                const int8_t *xr = xq + (int64_t)r * K + kb * BLOCK + 4 * p;
-                const __m256i xl = broadcast4(xr), xh = broadcast4(xr + 16);
-                for (int g = 0; g < G; g++) {
-                    __m256i *chain = sums[r][g];
-                    chain[(2 * p) % NC] = _mm256_dpbusd_epi32(chain[(2 * p) % NC], lo[g], xl);
-                    chain[(2 * p + 1) % NC] = _mm256_dpbusd_epi32(chain[(2 * p + 1) % NC], hi[g], xh);
-                }
-            }
-        }
-        for (int g = 0; g < G; g++) {
-            const __m256 scale = load_values(ws, g * gv + kb * 8, half), min = load_values(wm, g * gv + kb * 8, half);
-            for (int r = 0; r < R; r++) {
-                const __m256 dot = _mm256_cvtepi32_ps(chain_sum(sums[r][g], NC));
-                acc[r][g] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(xs[r * KB + kb])), acc[r][g]);
-                acc[r][g] = _mm256_fmadd_ps(min, _mm256_set1_ps(xsum[r * KB + kb]), acc[r][g]);
-            }
-        }
-    }
-    store_groups(acc, bias, y, N, accumulate, R, G);
-}
-
-/* R rows × G 8-column groups of 8-bit weights (VNNI): w + 128 against x, less 128 · Σ x_q. With
- * offset 16, the weights are unpacked q5 ones (q in [0, 31], already unsigned): q against x, less
- * 16 · Σ x_q. */
-static inline __attribute__((always_inline)) void q8_tile_vnni(
-    const int8_t *xq, const float *xs, const int32_t *xqsum, const void *w, int64_t gw, const void *ws,
-    int64_t gv, const float *bias, float *y, int K, int N, int accumulate, const int half, const int R,
-    const int G, const int offset) {
-    const int KB = K / BLOCK, NC = CHAINS(R);
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
-    __m256 acc[ROW_TILE][GROUP_TILE];
-    for (int r = 0; r < R; r++)
-        for (int g = 0; g < G; g++) acc[r][g] = _mm256_setzero_ps();
-    for (int kb = 0; kb < KB; kb++) {
-        __m256i sums[ROW_TILE][GROUP_TILE][MAX_CHAINS];
-        for (int r = 0; r < R; r++)
-            for (int g = 0; g < G; g++)
-                for (int c = 0; c < NC; c++) sums[r][g][c] = _mm256_setzero_si256();
-        for (int v = 0; v < 8; v++) {
-            __m256i wv[GROUP_TILE];
-            for (int g = 0; g < G; g++) {
-                wv[g] = _mm256_loadu_si256((const __m256i *)((const int8_t *)w + g * gw + (int64_t)kb * 256 + 32 * v));
-                if (offset == 128) wv[g] = _mm256_xor_si256(wv[g], flip);
-            }
-            for (int r = 0; r < R; r++) {
-                const __m256i xv = broadcast4(xq + (int64_t)r * K + kb * BLOCK + 4 * v);
-                for (int g = 0; g < G; g++) sums[r][g][v % NC] = _mm256_dpbusd_epi32(sums[r][g][v % NC], wv[g], xv);
-            }
-        }
-        for (int g = 0; g < G; g++) {
-            const __m256 scale = load_values(ws, g * gv + kb * 8, half);
-            for (int r = 0; r < R; r++) {
-                const __m256i dot = _mm256_sub_epi32(chain_sum(sums[r][g], NC),
-                                                     _mm256_set1_epi32(offset * xqsum[r * KB + kb]));
-                acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                            _mm256_mul_ps(scale, _mm256_set1_ps(xs[r * KB + kb])), acc[r][g]);
-            }
-        }
-    }
-    store_groups(acc, bias, y, N, accumulate, R, G);
-}
-
-#if defined(__AVX512F__) && !defined(QUANT_GEMM_VNNI_256)
-/* 512-bit tiles: a zmm is the two groups' 32-byte vectors side by side (16 columns), so one
- * vpdpbusd does 64 MACs and the per-block epilogue (convert, scale, add) is paid once for 16
- * columns instead of twice for 8. Lane for lane the same operations as the two-group 256-bit
- * tile, so the same results, bit for bit. Built without the macro QUANT_GEMM_VNNI_256 (how tests
- * reach the 256-bit tiles on a CPU that takes these). */
-#define WIDE 1
 
 static inline __attribute__((always_inline)) __m512i load_pair(const void *a, const void *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
@@ -388,20 +277,20 @@ static inline __attribute__((always_inline)) __m512 load_value_pair(const void *
                                                _mm256_castps_pd(_mm256_loadu_ps(f + gv)), 1));
 }
 
-static inline __attribute__((always_inline)) __m512i broadcast4_wide(const int8_t *p) {
+static inline __attribute__((always_inline)) __m512i broadcast4_512(const int8_t *p) {
     int32_t four;
     memcpy(&four, p, 4);
     return _mm512_set1_epi32(four);
 }
 
-static inline __attribute__((always_inline)) __m512i chain_sum_wide(const __m512i *chain, const int n) {
+static inline __attribute__((always_inline)) __m512i chain_sum(const __m512i *chain, const int n) {
     __m512i total = chain[0];
     for (int c = 1; c < n; c++) total = _mm512_add_epi32(total, chain[c]);
     return total;
 }
 
 /* The two groups are adjacent columns of y: one 16-wide store a row. */
-static inline __attribute__((always_inline)) void store_wide(
+static inline __attribute__((always_inline)) void store_pair(
     const __m512 *acc, const float *bias, float *y, int N, int accumulate, const int R) {
     for (int r = 0; r < R; r++) {
         __m512 out = bias ? _mm512_add_ps(acc[r], _mm512_loadu_ps(bias)) : acc[r];
@@ -410,8 +299,8 @@ static inline __attribute__((always_inline)) void store_wide(
     }
 }
 
-/* R rows × two 8-column groups of 4-bit weights, 512 bits wide (q4_tile_vnni with G = 2). */
-static inline __attribute__((always_inline)) void q4_tile_wide(
+/* R rows × two 8-column groups of 4-bit weights (VNNI), `gw` bytes and `gv` block values apart. */
+static inline __attribute__((always_inline)) void q4_tile_vnni(
     const int8_t *xq, const float *xs, const float *xsum, const uint8_t *w, int64_t gw, const void *ws,
     const void *wm, int64_t gv, const float *bias, float *y, int K, int N, int accumulate, const int half,
     const int R) {
@@ -431,23 +320,24 @@ static inline __attribute__((always_inline)) void q4_tile_wide(
             for (int r = 0; r < R; r++) {
                 const int8_t *xr = xq + (int64_t)r * K + kb * BLOCK + 4 * p;
                 __m512i *chain = sums[r];
-                chain[(2 * p) % NC] = _mm512_dpbusd_epi32(chain[(2 * p) % NC], lo, broadcast4_wide(xr));
-                chain[(2 * p + 1) % NC] = _mm512_dpbusd_epi32(chain[(2 * p + 1) % NC], hi, broadcast4_wide(xr + 16));
+                chain[(2 * p) % NC] = _mm512_dpbusd_epi32(chain[(2 * p) % NC], lo, broadcast4_512(xr));
+                chain[(2 * p + 1) % NC] = _mm512_dpbusd_epi32(chain[(2 * p + 1) % NC], hi, broadcast4_512(xr + 16));
             }
         }
         const __m512 scale = load_value_pair(ws, kb * 8, gv, half), min = load_value_pair(wm, kb * 8, gv, half);
         for (int r = 0; r < R; r++) {
-            const __m512 dot = _mm512_cvtepi32_ps(chain_sum_wide(sums[r], NC));
+            const __m512 dot = _mm512_cvtepi32_ps(chain_sum(sums[r], NC));
             acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(xs[r * KB + kb])), acc[r]);
             acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(xsum[r * KB + kb]), acc[r]);
         }
     }
-    store_wide(acc, bias, y, N, accumulate, R);
+    store_pair(acc, bias, y, N, accumulate, R);
 }
 
-/* R rows × two 8-column groups of 8-bit (or unpacked 5-bit) weights, 512 bits wide
- * (q8_tile_vnni with G = 2). */
-static inline __attribute__((always_inline)) void q8_tile_wide(
+/* R rows × two 8-column groups of 8-bit weights (VNNI): w + 128 against x, less 128 · Σ x_q. With
+ * offset 16, the weights are unpacked q5 ones (q in [0, 31], already unsigned): q against x, less
+ * 16 · Σ x_q. */
+static inline __attribute__((always_inline)) void q8_tile_vnni(
     const int8_t *xq, const float *xs, const int32_t *xqsum, const void *w, int64_t gw, const void *ws,
     int64_t gv, const float *bias, float *y, int K, int N, int accumulate, const int half, const int R,
     const int offset) {
@@ -464,51 +354,27 @@ static inline __attribute__((always_inline)) void q8_tile_wide(
             __m512i wv = load_pair(wp, wp + gw);
             if (offset == 128) wv = _mm512_xor_si512(wv, flip);
             for (int r = 0; r < R; r++) {
-                const __m512i xv = broadcast4_wide(xq + (int64_t)r * K + kb * BLOCK + 4 * v);
+                const __m512i xv = broadcast4_512(xq + (int64_t)r * K + kb * BLOCK + 4 * v);
                 sums[r][v % NC] = _mm512_dpbusd_epi32(sums[r][v % NC], wv, xv);
             }
         }
         const __m512 scale = load_value_pair(ws, kb * 8, gv, half);
         for (int r = 0; r < R; r++) {
-            const __m512i dot = _mm512_sub_epi32(chain_sum_wide(sums[r], NC), _mm512_set1_epi32(offset * xqsum[r * KB + kb]));
+            const __m512i dot = _mm512_sub_epi32(chain_sum(sums[r], NC), _mm512_set1_epi32(offset * xqsum[r * KB + kb]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(xs[r * KB + kb])), acc[r]);
         }
     }
-    store_wide(acc, bias, y, N, accumulate, R);
+    store_pair(acc, bias, y, N, accumulate, R);
 }
-#else
-#define WIDE 0
-#endif
 
-#if WIDE
-/* The wide tile for `rows` rows (at most ROW_TILE: 8 rows measured slower at 8 bits, no faster at
+/* The VNNI tile for `rows` rows (at most ROW_TILE: 8 rows measured slower at 8 bits, no faster at
  * 4), R and the scale width known at compile time. */
-#define WIDE_SWITCH(CALL, HALF)                  \
+#define VNNI_SWITCH(CALL, HALF)                  \
     switch (rows < ROW_TILE ? rows : ROW_TILE) { \
         case 1: CALL(HALF, 1); break;            \
         case 2: CALL(HALF, 2); break;            \
         case 3: CALL(HALF, 3); break;            \
         default: CALL(HALF, 4); break;           \
-    }
-#endif
-
-/* The VNNI tile for `rows` rows (at most ROW_TILE) and `G` groups, R and the scale width known at
- * compile time. */
-#define VNNI_SWITCH(CALL, HALF, G)          \
-    switch (rows < ROW_TILE ? rows : ROW_TILE) { \
-        case 1: CALL(HALF, 1, G); break;       \
-        case 2: CALL(HALF, 2, G); break;       \
-        case 3: CALL(HALF, 3, G); break;       \
-        default: CALL(HALF, 4, G); break;      \
-    }
-/* The VNNI tile for `rows` rows and `G` (1 or 2) groups, at the layer's scale width. */
-#define VNNI_TILE(CALL)                                                                   \
-    {                                                                                     \
-        if (G == 2) {                                                                     \
-            if (layer->half_scales) VNNI_SWITCH(CALL, 1, 2) else VNNI_SWITCH(CALL, 0, 2)  \
-        } else {                                                                          \
-            if (layer->half_scales) VNNI_SWITCH(CALL, 1, 1) else VNNI_SWITCH(CALL, 0, 1)  \
-        }                                                                                 \
     }
 
 /* The unpacked q5 groups of a VNNI tile, one buffer per thread of the team, grown as needed. */
@@ -543,7 +409,6 @@ static const uint8_t *unpacked_q5(const uint8_t *w, int64_t gw, int KB, int G) {
 #else
 #define VNNI 0
 #define GROUP_TILE 1
-#define WIDE 0
 #endif
 
 /* The AVX2 tile for `rows` rows (at most TILE), its row count and scale width known at compile time. */
@@ -562,7 +427,7 @@ size_t quant_linear_scratch_bytes(int M, int K) {
 }
 
 /* Rows m0..m1 of y for groups g..g+G-1 (G <= GROUP_TILE; 1 unless `vnni`). vnni: the VNNI tiles
- * (where built), else the AVX2 ones. */
+ * (where built) for a pair of groups, else the AVX2 ones. */
 static void group_rows(const QuantLinear *layer, const int8_t *xq, const float *xs, const float *xsum,
                        const int32_t *xqsum, float *y, int m0, int m1, int g, int G, int accumulate, int vnni) {
     const int N = layer->out_features, K = layer->in_features, KB = K / BLOCK, bits = layer->bits;
@@ -573,6 +438,7 @@ static void group_rows(const QuantLinear *layer, const int8_t *xq, const float *
     const void *gm = layer->min ? (const char *)layer->min + g * gv * value_bytes : 0;
     const float *gb = layer->bias ? layer->bias + 8 * g : 0;
 #if VNNI
+    vnni = vnni && G == GROUP_TILE;  /* a lone last group (N = 8 mod 16) takes the AVX2 tile */
     const uint8_t *unpacked = vnni && bits == 5 ? unpacked_q5(w, gw, KB, G) : NULL;
     vnni = vnni && (bits != 5 || unpacked);
 #endif
@@ -585,24 +451,15 @@ static void group_rows(const QuantLinear *layer, const int8_t *xq, const float *
         const int32_t *qm = xqsum + (int64_t)m * KB;
         float *ym = y + (int64_t)m * N + 8 * g;
 #if VNNI
-#define Q4V(H, R, G) q4_tile_vnni(xm, sm, tm, w, gw, gs, gm, gv, gb, ym, K, N, accumulate, H, R, G)
-#define Q5V(H, R, G) q8_tile_vnni(xm, sm, qm, unpacked, (int64_t)KB * 256, gs, gv, gb, ym, K, N, accumulate, H, R, G, 16)
-#define Q8V(H, R, G) q8_tile_vnni(xm, sm, qm, w, gw, gs, gv, gb, ym, K, N, accumulate, H, R, G, 128)
-#if WIDE
-#define Q4W(H, R) q4_tile_wide(xm, sm, tm, w, gw, gs, gm, gv, gb, ym, K, N, accumulate, H, R)
-#define Q5W(H, R) q8_tile_wide(xm, sm, qm, unpacked, (int64_t)KB * 256, gs, gv, gb, ym, K, N, accumulate, H, R, 16)
-#define Q8W(H, R) q8_tile_wide(xm, sm, qm, w, gw, gs, gv, gb, ym, K, N, accumulate, H, R, 128)
-        if (WIDE && vnni && G == 2) {
-            if (layer->half_scales) {
-                if (bits == 4) WIDE_SWITCH(Q4W, 1) else if (bits == 5) WIDE_SWITCH(Q5W, 1) else WIDE_SWITCH(Q8W, 1)
-            } else {
-                if (bits == 4) WIDE_SWITCH(Q4W, 0) else if (bits == 5) WIDE_SWITCH(Q5W, 0) else WIDE_SWITCH(Q8W, 0)
-            }
-            continue;
-        }
-#endif
+#define Q4V(H, R) q4_tile_vnni(xm, sm, tm, w, gw, gs, gm, gv, gb, ym, K, N, accumulate, H, R)
+#define Q5V(H, R) q8_tile_vnni(xm, sm, qm, unpacked, (int64_t)KB * 256, gs, gv, gb, ym, K, N, accumulate, H, R, 16)
+#define Q8V(H, R) q8_tile_vnni(xm, sm, qm, w, gw, gs, gv, gb, ym, K, N, accumulate, H, R, 128)
         if (vnni) {
-            if (bits == 4) VNNI_TILE(Q4V) else if (bits == 5) VNNI_TILE(Q5V) else VNNI_TILE(Q8V)
+            if (layer->half_scales) {
+                if (bits == 4) VNNI_SWITCH(Q4V, 1) else if (bits == 5) VNNI_SWITCH(Q5V, 1) else VNNI_SWITCH(Q8V, 1)
+            } else {
+                if (bits == 4) VNNI_SWITCH(Q4V, 0) else if (bits == 5) VNNI_SWITCH(Q5V, 0) else VNNI_SWITCH(Q8V, 0)
+            }
             continue;
         }
 #endif
