@@ -27,6 +27,7 @@ nothing: the set is for speed and bytes read. Gemma 3 converts with the BPE toke
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -219,6 +220,8 @@ def main() -> None:
     for tool in (CONVERT, QUANTIZE):
         if not tool.is_file():
             raise SystemExit(f"{tool}: not there; run `bash benchmarks/setup_llamacpp.sh` first")
+    if importlib.util.find_spec("sentencepiece") is None:
+        raise SystemExit(f"{CONVERT.name} needs sentencepiece: `pip install sentencepiece` in this environment")
     SET_DIR.mkdir(parents=True, exist_ok=True)
     for name in args.shapes:
         for path in build_shape(shapes[name], args.quants, args.seed, args.keep):

@@ -14,6 +14,7 @@ Every timed number is printed with the CPU seconds other processes used meanwhil
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -29,7 +30,7 @@ from tokenmill.engine import perplexity
 from tokenmill.environment import embedded_model_path
 from tokenmill.models import kernels as kernels_lib
 from tokenmill.models.packed import PackedLinear
-from tokenmill.models.quant import QuantizedLinear, quantize
+from tokenmill.models.quant import SUPER_BLOCK, Quantized, QuantizedLinear, ScaleFormat, SuperBlockValues, quantize
 from tokenmill.plan.model_specs import spec_from_hf_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,9 +125,23 @@ def int8_peak() -> dict:
     return json.loads(out.stdout)
 
 
+def _held_as(w: Quantized, form: ScaleFormat) -> Quantized:
+    """A 4-bit weight whose block values the layer reads in `form` (the values made to fit it:
+    for timing only): fp16 as a Q4_0 file's, super-block factors as a Q4_K file's."""
+    if form == ScaleFormat.F16:
+        low = None if w.min is None else w.min.half().float()
+        return dataclasses.replace(w, scale=w.scale.half().float(), min=low)
+    n, k = w.shape
+    factors = tuple(SuperBlockValues((torch.rand(n, k // SUPER_BLOCK) * sign / 64).half(),
+                                     torch.randint(0, 64, (n, k // 32), dtype=torch.uint8)) for sign in (1, -1))
+    return dataclasses.replace(w, scale=factors[0].values(), min=factors[1].values(), factors=factors)
+
+
 def kernels(args: argparse.Namespace) -> dict:
     """GMAC/s per layer shape and row count: the kernel this CPU takes (AVX-512 VNNI where it has
-    it), the AVX2 build of the same source, and oneDNN fp32; against the measured int8 peak."""
+    it), the AVX2 build of the same source, and oneDNN fp32; against the measured int8 peak. At 4
+    bits also with the block values as a Q4_0 file's (fp16) and a Q4_K file's (super-block
+    factors); the first column's are fp32."""
     torch.manual_seed(0)
     peak = int8_peak()
     # The CPU's peak, the fastest of the instructions it has (where 512-bit vpdpbusd runs at the
@@ -140,7 +155,11 @@ def kernels(args: argparse.Namespace) -> dict:
     meter = CpuMeter()
     for name, n, k, bits in SHAPES if args.shapes == "small" else set_shapes():
         weight = torch.randn(n, k) * 0.05
-        quantized = QuantizedLinear(quantize(weight, bits))
+        blocks = quantize(weight, bits)
+        quantized = QuantizedLinear(blocks)
+        forms = (ScaleFormat.F16, ScaleFormat.SUPER_BLOCKS) if bits == 4 and k % SUPER_BLOCK == 0 else ()
+        other_forms = {form: QuantizedLinear(_held_as(blocks, form)) for form in forms}
+        assert all(layer.scale_format == form for form, layer in other_forms.items())
         dense = torch.nn.Linear(k, n, bias=False).requires_grad_(False)
         dense.weight.copy_(weight)
         fp32 = PackedLinear(dense, 2048, onednn=True, small_batch=True) if n * k < 1e8 else None
@@ -151,6 +170,8 @@ def kernels(args: argparse.Namespace) -> dict:
             if avx2 is not None:
                 on_avx2 = partial(_run_on, avx2, quantized)
                 rate["q avx2"] = m * n * k / _best_seconds(on_avx2, x, reps) / 1e9
+            for form, layer in other_forms.items():
+                rate[f"q {form.name.lower()}"] = m * n * k / _best_seconds(layer, x, reps) / 1e9
             if fp32 is not None:
                 rate["fp32"] = m * n * k / _best_seconds(fp32, x, reps) / 1e9
             rate["q % of peak"] = 100 * rate["q"] / top
@@ -163,7 +184,7 @@ def kernels(args: argparse.Namespace) -> dict:
 
 def _run_on(lib, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
     y = torch.empty(x.shape[0], layer.out_features)
-    lib.quant_linear(layer.bits, layer._half_scales, x.data_ptr(), *layer._pointers, y.data_ptr(), x.shape[0],
+    lib.quant_linear(layer.bits, layer.scale_format, x.data_ptr(), *layer._pointers, y.data_ptr(), x.shape[0],
                      layer.out_features, x.shape[1], torch.get_num_threads())
     return y
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import ctypes
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 from tokenmill.models import kernels
+from tokenmill.models.quant import SUPER_BLOCK, ScaleFormat, SuperBlockValues, pack_super_block_values
 
 CSRC = Path(kernels.__file__).with_name("csrc")
 # What kernels.py passes for each C type: every pointer as a void pointer (a tensor's data_ptr()).
@@ -84,3 +87,23 @@ def test_each_struct_has_the_c_fields_in_order(name: str) -> None:
     wanted = [(field, t.__name__) for field, t in c_struct(name, STRUCTS)]
     assert declared == wanted, f"{name}: kernels.py has {declared}, csrc/ {wanted}"
 
+
+
+def test_scale_formats_and_super_blocks_are_those_of_the_c() -> None:
+    """quant.py's ScaleFormat and super-block sizes restate team.h's: a mismatch would read every
+    scale of a layer wrongly."""
+    header = (CSRC / "team.h").read_text()
+    formats = dict(re.findall(r"SCALES_(\w+) = (\d+)", header))
+    assert {f.name: f.value for f in ScaleFormat} == {k: int(v) for k, v in formats.items()}
+    defines = dict(re.findall(r"#define (SUPER_BLOCK\w*) (\d+)", header))
+    assert int(defines["SUPER_BLOCK"]) == SUPER_BLOCK
+    one = SuperBlockValues(torch.ones(8, 1, dtype=torch.float16), torch.ones(8, SUPER_BLOCK // 32, dtype=torch.uint8))
+    assert pack_super_block_values(one).shape[-1] == int(defines["SUPER_BLOCK_BYTES"])
+
+
+def test_every_c_file_is_packaged() -> None:
+    """A wheel without a header cannot compile the kernels (they would be off, silently slower)."""
+    pyproject = tomllib.loads((CSRC.parents[2] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["tokenmill.models"]
+    packaged = {p for pattern in patterns for p in CSRC.parent.glob(pattern)}
+    assert set(CSRC.glob("*")) <= packaged

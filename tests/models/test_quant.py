@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,16 @@ from tokenmill.formats.gguf_header import read_gguf_header
 from tokenmill.models import kernels, quant
 from tokenmill.models.gguf_file import read_gguf
 from tokenmill.models.loader import load_weights
-from tokenmill.models.quant import Quantized, QuantizedEmbedding, QuantizedLinear, from_gguf_blocks, quantize
+from tokenmill.models.quant import (
+    SUPER_BLOCK,
+    Quantized,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    ScaleFormat,
+    SuperBlockValues,
+    from_gguf_blocks,
+    quantize,
+)
 
 needs_kernel = pytest.mark.skipif(not quant.kernel_available(),
                                   reason="the quantised kernels need AVX2 and a C compiler")
@@ -57,7 +67,7 @@ def _avx2_kernels() -> ctypes.CDLL:
 
 def _run(lib: ctypes.CDLL, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x.shape[0], layer.out_features)
-    assert lib.quant_linear(layer.bits, layer._half_scales, x.data_ptr(), *layer._pointers, y.data_ptr(),
+    assert lib.quant_linear(layer.bits, layer.scale_format, x.data_ptr(), *layer._pointers, y.data_ptr(),
                             x.shape[0], layer.out_features, x.shape[1], 2) == 0
     return y
 
@@ -119,6 +129,55 @@ def test_embedding_rows_read_from_the_packed_layout(bits: int, half_scales: bool
         QuantizedEmbedding(table)(torch.tensor([3, 48]))
 
 
+def _q4_k_like(n: int, k: int, seed: int) -> Quantized:
+    """A 4-bit weight with Q4_K's block values: an fp16 factor per super-block of 256 times a 6-bit
+    multiple per block, for the scales and (negative) minimums; most products are not fp16."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    factors = tuple(SuperBlockValues((torch.rand(n, k // SUPER_BLOCK, generator=g) * sign / 64).half(),
+                                     torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=g))
+                    for sign in (1, -1))
+    return Quantized(4, q, factors[0].values(), factors[1].values(), factors)  # type: ignore[arg-type]
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_q4_k_factors_compute_what_their_fp32_products_do(isa: str) -> None:
+    """Q4_K's block values read as the file's factors (4.625 bits a weight) give the same bits out
+    as the same values in fp32 (6 bits): each product is exact in fp32. Up to 8 rows the tiles
+    compute the products, past that they are expanded to fp32 once per chunk; n = 40 has a lone last
+    group (the AVX2 tile on a VNNI CPU); 300 rows cross a 256-row chunk."""
+    torch.manual_seed(4)
+    w = _q4_k_like(40, 512, 0)
+    assert not torch.equal(w.scale.half().float(), w.scale)  # fp16 would not hold them
+    factored, plain = QuantizedLinear(w), QuantizedLinear(dataclasses.replace(w, factors=None))
+    assert (factored.scale_format, plain.scale_format) == (ScaleFormat.SUPER_BLOCKS, ScaleFormat.F32)
+    value_bytes = [layer.scale.nbytes + layer.min.nbytes for layer in (factored, plain)]
+    assert value_bytes[0] * 4 / 1.25 == value_bytes[1]  # 1.25 bytes a block and column, not 4
+    for m in (1, 2, 3, 4, 7, 37, 300):
+        x = torch.randn(m, 512) * 3
+        for bias in (None, torch.randn(40)):
+            factored.bias = plain.bias = bias
+            got, want = ((layer(x) if isa == "native" else _run(_avx2_kernels(), layer, x))
+                         for layer in (factored._apply(lambda t: t), plain._apply(lambda t: t)))
+            assert torch.equal(got, want), (m, bias is None)
+    ids = torch.tensor([0, 39, 17, 8])
+    assert torch.equal(QuantizedEmbedding(factored)(ids), w.dequantize()[ids])
+
+
+def test_q4_k_factors_follow_permutes_and_fusion() -> None:
+    """q/k rows permuted (the GGUF's head order) and q/k/v or gate/up stacked keep factors whose
+    products are the weight's scales and minimums; a part without factors drops them."""
+    parts = [_q4_k_like(8 * n, 256, seed) for seed, n in enumerate((3, 1, 1))]
+    order = torch.randperm(24)
+    fused = quant.concatenate([parts[0].permute_rows(order), *parts[1:]])
+    assert fused.factors is not None
+    assert torch.equal(fused.factors[0].values(), fused.scale) and torch.equal(fused.factors[1].values(), fused.min)
+    want = torch.cat([parts[0].dequantize()[order], *(p.dequantize() for p in parts[1:])])
+    assert torch.equal(fused.dequantize(), want)
+    assert quant.concatenate([parts[0], quantize(torch.randn(8, 256), 4)]).factors is None
+
+
 @pytest.mark.parametrize("ggml_type", ["Q8_0", "Q5_0", "Q4_0", "Q4_1"])
 def test_gguf_blocks_become_quantized_weights_exactly(ggml_type: str) -> None:
     from gguf import GGMLQuantizationType
@@ -142,7 +201,8 @@ def test_gemma3_q4_k_blocks_become_quantized_weights_exactly(gemma3_gguf_path: P
     data = np.memmap(gemma3_gguf_path, dtype=np.uint8, mode="r")
     raw = np.asarray(data[info.data_offset : info.data_offset + info.n_bytes]).reshape(info.shape[1], -1)
     got = from_gguf_blocks(raw, "Q4_K", info.shape[1], info.shape[0])
-    assert got is not None and got.bits == 4
+    assert got is not None and got.bits == 4 and got.factors is not None
+    assert QuantizedLinear(got).scale_format == ScaleFormat.SUPER_BLOCKS
     want = dequantize(raw, GGMLQuantizationType.Q4_K)
     assert torch.allclose(got.dequantize(), torch.from_numpy(want), rtol=0, atol=1e-6), info.name
 

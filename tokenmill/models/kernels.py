@@ -50,7 +50,7 @@ SIGNATURES = {
 class QuantLinear(ctypes.Structure):
     """csrc/team.h's QuantLinear: a quantised linear layer's shape and buffers."""
 
-    _fields_ = [("bits", _I), ("out_features", _I), ("in_features", _I), ("half_scales", _I),
+    _fields_ = [("bits", _I), ("out_features", _I), ("in_features", _I), ("scale_format", _I),
                 ("weight", _P), ("scale", _P), ("min", _P), ("bias", _P)]
 
 

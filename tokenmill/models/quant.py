@@ -1,13 +1,15 @@
 """Weights kept quantised in memory: blocks of 32 along the input dimension, run by
 csrc/quant_gemm.c.
 
-Three formats, each with an fp32 scale per block (and, for 4 bits, an fp32 minimum):
+Three formats, each with a scale per block (and, for 4 bits, a minimum):
 - q8: value = scale · q, q in [-127, 127] (llama.cpp's Q8_0);
 - q5: value = scale · q, q in [-16, 15] (llama.cpp's Q5_0; fits q8 exactly, so mixed with 8-bit
   parts in a fused projection it simply becomes 8 bits);
 - q4: value = scale · q + min, q in [0, 15] (Q4_0, Q4_1 and Q4_K's sub-blocks all fit exactly).
 A GGUF's blocks of those types become these without a round trip through fp32; anything else
 (fp32/bf16 weights, other GGUF types) is quantised from fp32 at load (`quantize`, 4 or 8 bits).
+The kernel reads the block values in fp16 where that holds them exactly (Q4_0, Q4_1, Q8_0), as
+Q4_K's own factors where they came from one (`SuperBlockValues`), else in fp32.
 
 `Quantized` is the unpacked form the loader hands over (one value per byte, rows in the
 Hugging Face order, so q/k rows can be permuted and q/k/v concatenated like fp32 weights).
@@ -17,6 +19,7 @@ Hugging Face order, so q/k rows can be permuted and q/k/v concatenated like fp32
 from __future__ import annotations
 
 import ctypes
+import enum
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +30,7 @@ from tokenmill.models import kernels
 from tokenmill.models.weight_formats import WEIGHT_FORMATS as WEIGHT_FORMATS  # its old home
 
 BLOCK = 32
+SUPER_BLOCK = 256  # a k-quant's: csrc/team.h's SUPER_BLOCK
 _FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
 _FIVE_BIT = ("Q5_0",)
 _EIGHT_BIT = ("Q8_0",)
@@ -39,14 +43,38 @@ EMBEDDING_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 @dataclass
+class SuperBlockValues:
+    """Block values (scales or minimums) as a k-quant holds them: an fp16 factor per super-block
+    of 256 times a small integer per block (Q4_K's 6-bit ones), each product exact in fp32 and
+    not, in general, in fp16."""
+
+    factor: torch.Tensor  # fp16 [N, K / 256]
+    multiple: torch.Tensor  # uint8 [N, K / 32]
+
+    def values(self) -> torch.Tensor:
+        """fp32 [N, K / 32]."""
+        per_block = self.factor.float().repeat_interleave(SUPER_BLOCK // BLOCK, dim=-1)
+        return per_block * self.multiple.float()
+
+    def permute_rows(self, order: torch.Tensor) -> SuperBlockValues:
+        return SuperBlockValues(self.factor[order], self.multiple[order])
+
+    @staticmethod
+    def cat(parts: list[SuperBlockValues]) -> SuperBlockValues:
+        return SuperBlockValues(torch.cat([p.factor for p in parts]), torch.cat([p.multiple for p in parts]))
+
+
+@dataclass
 class Quantized:
     """A [N, K] weight: q uint8 (4 bits) or int8 (5 and 8 bits) [N, K]; scale (and min, 4 bits
-    only) fp32 [N, K / 32]."""
+    only) fp32 [N, K / 32]; for 4 bits from Q4_K, `factors` are the same scale and min as that
+    file's super-block factors (SuperBlockValues), which the kernel reads instead."""
 
     bits: int
     q: torch.Tensor
     scale: torch.Tensor
     min: torch.Tensor | None = None
+    factors: tuple[SuperBlockValues, SuperBlockValues] | None = None  # scale, min
 
     @property
     def shape(self) -> tuple[int, int]:  # (out_features N, in_features K)
@@ -60,7 +88,10 @@ class Quantized:
         return blocks.reshape(n, k)
 
     def permute_rows(self, order: torch.Tensor) -> Quantized:
-        return Quantized(self.bits, self.q[order], self.scale[order], None if self.min is None else self.min[order])
+        factors = None if self.factors is None else (self.factors[0].permute_rows(order),
+                                                     self.factors[1].permute_rows(order))
+        return Quantized(self.bits, self.q[order], self.scale[order], None if self.min is None else self.min[order],
+                         factors)
 
     def exactly_as(self, bits: int) -> Quantized | None:
         """The same values in `bits`-bit blocks where no rounding is needed (5 bits widen to 8 as
@@ -138,9 +169,12 @@ def concatenate(parts: list[Quantized]) -> Quantized:
     if len({p.bits for p in parts}) > 1:
         parts = [p.exactly_as(8) or quantize(p.dequantize(), 8) for p in parts]
     mins = [p.min for p in parts]
+    factors = [p.factors for p in parts if p.factors is not None]
     return Quantized(
         parts[0].bits, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
         None if mins[0] is None else torch.cat([m for m in mins if m is not None]),
+        (SuperBlockValues.cat([f[0] for f in factors]), SuperBlockValues.cat([f[1] for f in factors]))
+        if len(factors) == len(parts) else None,
     )
 
 
@@ -186,6 +220,24 @@ def pack_block_values(values: torch.Tensor) -> torch.Tensor:
     return values.reshape(n // 8, 8, kb).permute(0, 2, 1).contiguous()
 
 
+def pack_super_block_values(values: SuperBlockValues) -> torch.Tensor:
+    """-> uint8 [N/8, K/256, 80]: per group and super-block, the 8 columns' fp16 factors, then the
+    8 blocks' multiples, 8 columns each (csrc/team.h's SUPER_BLOCK_BYTES)."""
+    n, supers = values.factor.shape
+    factors = pack_block_values(values.factor.to(torch.float16)).view(torch.uint8)  # [N/8, S, 16]
+    per_block = SUPER_BLOCK // BLOCK
+    multiples = pack_block_values(values.multiple).reshape(n // 8, supers, per_block * 8)
+    return torch.cat((factors, multiples), dim=-1).contiguous()
+
+
+class ScaleFormat(enum.IntEnum):
+    """How the kernel reads a layer's block scales and minimums: csrc/team.h's SCALES_*."""
+
+    F32 = 0
+    F16 = 1
+    SUPER_BLOCKS = 2  # SuperBlockValues, packed by pack_super_block_values
+
+
 class QuantizedLinear(nn.Module):
     """y = x · Wᵀ + bias with W in its packed quantised form; also the embedding table when the
     weight is one (`rows`)."""
@@ -203,12 +255,16 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"quantised linear {quantized.shape}: out_features must be a multiple of 8, "
                              f"in_features of {BLOCK}")
         self.register_buffer("weight", _PACKERS[self.bits](quantized.q))
-        # fp16 scales and minimums where every one survives the trip (a GGUF's Q4_0, Q4_1 and Q8_0
-        # blocks: the file holds them in fp16): a step then reads 20 bytes per 4-bit block, not 24.
-        values = [t for t in (quantized.scale, quantized.min) if t is not None]
-        dtype = torch.float16 if all(torch.equal(t.half().float(), t) for t in values) else torch.float32
-        self.register_buffer("scale", pack_block_values(quantized.scale.to(dtype)))
-        self.register_buffer("min", None if quantized.min is None else pack_block_values(quantized.min.to(dtype)))
+        self.scale_format = _scale_format(quantized)
+        if self.scale_format == ScaleFormat.SUPER_BLOCKS:
+            assert quantized.factors is not None
+            scale, low = (pack_super_block_values(f) for f in quantized.factors)
+        else:
+            dtype = torch.float16 if self.scale_format == ScaleFormat.F16 else torch.float32
+            scale = pack_block_values(quantized.scale.to(dtype))
+            low = None if quantized.min is None else pack_block_values(quantized.min.to(dtype))
+        self.register_buffer("scale", scale)
+        self.register_buffer("min", low)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self._apply(lambda t: t)
 
@@ -216,7 +272,6 @@ class QuantizedLinear(nn.Module):
         super()._apply(fn, recurse)  # .to() and friends may replace the buffers
         tensors = (self.weight, self.scale, self.min, self.bias)
         self._pointers = tuple(None if t is None else t.data_ptr() for t in tensors)
-        self._half_scales = int(self.scale.dtype == torch.float16)
         self._kernel_args = self.kernel_args()
         return self
 
@@ -233,7 +288,7 @@ class QuantizedLinear(nn.Module):
             x = x.float().contiguous()
         y = torch.empty(x.shape[0], self.out_features) if out is None else out
         assert y.shape == (x.shape[0], self.out_features) and y.dtype == torch.float32 and y.is_contiguous()
-        status = lib.quant_linear(self.bits, self._half_scales, x.data_ptr(), *self._pointers, y.data_ptr(),
+        status = lib.quant_linear(self.bits, self.scale_format, x.data_ptr(), *self._pointers, y.data_ptr(),
                                   x.shape[0], self.out_features, k, torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"quant_linear failed ({status}) for {self.out_features}x{k}, {self.bits} bits")
@@ -241,7 +296,7 @@ class QuantizedLinear(nn.Module):
 
     def kernel_args(self) -> kernels.QuantLinear:
         """This layer as csrc/team.h's QuantLinear (for kernels that call the matmul themselves)."""
-        return kernels.QuantLinear(self.bits, self.out_features, self.in_features, self._half_scales,
+        return kernels.QuantLinear(self.bits, self.out_features, self.in_features, self.scale_format,
                                    *self._pointers)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -261,6 +316,19 @@ class QuantizedLinear(nn.Module):
 
 
 _PACKERS = {4: pack_q4, 5: pack_q5, 8: pack_q8}
+
+
+def _scale_format(quantized: Quantized) -> ScaleFormat:
+    """Q4_K's own factors where there are some (4.625 bits a weight, where fp16 values take 5 and
+    fp32 ones 6; the file's 4.5 packs the 6-bit multiples tighter); else fp16 where every scale and
+    minimum survives the trip (a GGUF's Q4_0, Q4_1 and Q8_0 blocks: the file holds them in fp16),
+    a step then reading 20 bytes per 4-bit block, not 24; else fp32."""
+    if quantized.factors is not None and quantized.bits == 4 and quantized.shape[1] % SUPER_BLOCK == 0:
+        return ScaleFormat.SUPER_BLOCKS
+    values = [t for t in (quantized.scale, quantized.min) if t is not None]
+    if all(torch.equal(t.half().float(), t) for t in values):
+        return ScaleFormat.F16
+    return ScaleFormat.F32
 
 
 class QuantizedEmbedding(nn.Module):
@@ -339,6 +407,6 @@ def _from_q4_k(rows: np.ndarray, n: int, k: int) -> Quantized:
     mn[..., 4:] = (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)
     qs = b[..., 16:].reshape(n, k // 256, 4, 32)
     q = np.stack((qs & 0x0F, qs >> 4), axis=3).reshape(n, k)  # [N, SB, 4 pairs, lo/hi, 32]
-    scale = (d[..., None] * sc).reshape(n, k // 32)
-    low = (-dmin[..., None] * mn).reshape(n, k // 32)
-    return Quantized(4, _t(q), _t(scale.astype(np.float32)), _t(low.astype(np.float32)))
+    factors = (SuperBlockValues(_t(d).half(), _t(sc.reshape(n, k // 32))),
+               SuperBlockValues(_t(-dmin).half(), _t(mn.reshape(n, k // 32))))
+    return Quantized(4, _t(q), factors[0].values(), factors[1].values(), factors)

@@ -10,10 +10,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* A linear layer with quantised weights (layouts in quant_gemm.c): scale and min are fp16 when
- * half_scales, else fp32; min is NULL at 5 and 8 bits and bias NULL when there is none. */
+/* How a quantised layer's block scales and minimums are held (layouts in quant_gemm.c). */
+enum { SCALES_F32 = 0, SCALES_F16 = 1, SCALES_SUPER_BLOCKS = 2 };
+#define SUPER_BLOCK 256 /* SCALES_SUPER_BLOCKS: k values a super-block's factor covers */
+#define SUPER_BLOCK_BYTES 80  /* SCALES_SUPER_BLOCKS: 8 fp16 factors, then 8 blocks × 8 u8 ones */
+
+/* A linear layer with quantised weights (layouts in quant_gemm.c): scale and min as scale_format
+ * says; min is NULL at 5 and 8 bits and bias NULL when there is none. */
 typedef struct {
-    int bits, out_features, in_features, half_scales;
+    int bits, out_features, in_features, scale_format;
     const void *weight, *scale, *min;
     const float *bias;
 } QuantLinear;
