@@ -60,6 +60,7 @@ from tokenmill.models.huge_pages import huge_page_empty
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "benchmarks" / "corpus.txt"
 BIN = ROOT / "build" / "llamacpp" / "src" / "vendor" / "llama.cpp" / "build" / "bin"
+PLOT_COLUMNS = 3  # models across a figure before it wraps
 PERPLEXITY_WINDOW, PERPLEXITY_WINDOWS = 512, 36
 
 
@@ -307,8 +308,12 @@ def plot(table: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     groups = sorted({(r["model"], r["shape"], r["threads"]) for r in table})
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.6), squeeze=False)
-    for ax, (model, shape, threads) in zip(axes[0], groups, strict=True):
+    columns = min(len(groups), PLOT_COLUMNS)
+    lines = -(-len(groups) // columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(4.5 * columns, 3.6 * lines), squeeze=False)
+    for ax in axes.flat[len(groups):]:
+        ax.set_visible(False)
+    for ax, (model, shape, threads) in zip(axes.flat, groups, strict=False):
         rows = sorted((r for r in table if (r["model"], r["shape"], r["threads"]) == (model, shape, threads)),
                       key=lambda r: r["batch"])
         xs = range(len(rows))
@@ -320,7 +325,7 @@ def plot(table: list[dict], path: Path) -> None:
         ax.set_title(f"{model} {shape} ({threads} threads)", fontsize=9)
         ax.set_ylabel("output tok/s, end to end")
         ax.margins(y=0.15)
-    axes[0][0].legend(fontsize=8)
+    axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
