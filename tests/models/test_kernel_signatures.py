@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tokenmill.models import kernels
-from tokenmill.models.quant import SUPER_BLOCK, ScaleFormat, SuperBlockValues, pack_super_block_values
+from tokenmill.models.quant import Q4_OFFSET, SUPER_BLOCK, ScaleFormat, SuperBlockValues, pack_super_block_values
 
 CSRC = Path(kernels.__file__).with_name("csrc")
 # What kernels.py passes for each C type: every pointer as a void pointer (a tensor's data_ptr()).
@@ -90,13 +90,13 @@ def test_each_struct_has_the_c_fields_in_order(name: str) -> None:
 
 
 def test_scale_formats_and_super_blocks_are_those_of_the_c() -> None:
-    """quant.py's ScaleFormat and super-block sizes restate team.h's: a mismatch would read every
-    scale of a layer wrongly."""
+    """quant.py's ScaleFormat, super-block sizes and 4-bit offset restate team.h's: a mismatch would
+    read every scale (or weight) of a layer wrongly."""
     header = (CSRC / "team.h").read_text()
     formats = dict(re.findall(r"SCALES_(\w+) = (\d+)", header))
     assert {f.name: f.value for f in ScaleFormat} == {k: int(v) for k, v in formats.items()}
-    defines = dict(re.findall(r"#define (SUPER_BLOCK\w*) (\d+)", header))
-    assert int(defines["SUPER_BLOCK"]) == SUPER_BLOCK
+    defines = dict(re.findall(r"#define (SUPER_BLOCK\w*|Q4_OFFSET) (\d+)", header))
+    assert int(defines["SUPER_BLOCK"]) == SUPER_BLOCK and int(defines["Q4_OFFSET"]) == Q4_OFFSET
     one = SuperBlockValues(torch.ones(8, 1, dtype=torch.float16), torch.ones(8, SUPER_BLOCK // 32, dtype=torch.uint8))
     assert pack_super_block_values(one).shape[-1] == int(defines["SUPER_BLOCK_BYTES"])
 

@@ -58,6 +58,13 @@ def _integer_reference(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None)
     return y if bias is None else y + bias.double()
 
 
+def _weight(kind: str, n: int, k: int) -> Quantized:
+    """q4 (with minimums), q4_0 (without: scale · q, q in -8..7, as Q4_0's blocks), q5 or q8 blocks."""
+    if kind == "q4_0":
+        return Quantized(4, torch.randint(-8, 8, (n, k), dtype=torch.int8), torch.rand(n, k // 32) / 8 - 1 / 16)
+    return quantize(torch.randn(n, k), int(kind[1]))
+
+
 def _avx2_kernels() -> ctypes.CDLL:
     """The kernels without AVX-512 VNNI: on a CPU that has it, the AVX2 path is tested this way."""
     lib = kernels.variant(("-mno-avx512vnni",))
@@ -74,18 +81,19 @@ def _run(lib: ctypes.CDLL, layer: QuantizedLinear, x: torch.Tensor) -> torch.Ten
 
 @needs_kernel
 @pytest.mark.parametrize("isa", ["native", "avx2"])
-@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("kind", ["q4", "q4_0", "q5", "q8"])
 @pytest.mark.parametrize("scales", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("m", "n", "k"),
                          [(1, 8, 32), (3, 40, 64), (4, 16, 96), (5, 40, 64), (7, 136, 320), (130, 24, 64),
                           (290, 24, 64)])  # 290: a chunk of 256 rows, then 34
 def test_kernel_computes_the_integer_block_dot_products(
-        isa: str, bits: int, scales: torch.dtype, m: int, n: int, k: int) -> None:
+        isa: str, kind: str, scales: torch.dtype, m: int, n: int, k: int) -> None:
     """fp16: scales (and minimums) a GGUF would hold, which the layer keeps in fp16. native: the
     path this CPU takes (AVX-512 VNNI where it has it, with a lone last group on AVX2 at n = 40 and
     136); avx2: the kernels built without VNNI."""
     torch.manual_seed(m * n + k)
-    w, x = quantize(torch.randn(n, k), bits), torch.randn(m, k) * 3
+    w, x = _weight(kind, n, k), torch.randn(m, k) * 3
+    bits = w.bits
     if scales == torch.float16:
         w = Quantized(bits, w.q, w.scale.half().float(), None if w.min is None else w.min.half().float())
     x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
@@ -94,7 +102,7 @@ def test_kernel_computes_the_integer_block_dot_products(
         assert layer.scale.dtype == scales
         got = (layer(x) if isa == "native" else _run(_avx2_kernels(), layer, x)).double()
         want = _integer_reference(x, w, bias)
-        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), f"{bits}-bit {m}x{n}x{k}"
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), f"{kind} {m}x{n}x{k}"
 
 
 def test_quantize_round_trips_within_half_a_step() -> None:
@@ -112,15 +120,15 @@ def test_quantize_round_trips_within_half_a_step() -> None:
         assert (error[clamped] <= (step[..., None] + 1e-6).expand_as(error)[clamped]).all()
 
 
-@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("kind", ["q4", "q4_0", "q5", "q8"])
 @pytest.mark.parametrize("half_scales", [False, True])
-def test_embedding_rows_read_from_the_packed_layout(bits: int, half_scales: bool) -> None:
+def test_embedding_rows_read_from_the_packed_layout(kind: str, half_scales: bool) -> None:
     """Bit for bit the dequantised rows (scale · q, then + min, each rounded), with the fp32 block
     values of a quantised tensor or the fp16 ones of a GGUF's blocks."""
     torch.manual_seed(1)
-    w = quantize(torch.randn(48, 96), bits)
+    w = _weight(kind, 48, 96)
     if half_scales:
-        w = Quantized(bits, w.q, w.scale.half().float(), None if w.min is None else w.min.half().float())
+        w = Quantized(w.bits, w.q, w.scale.half().float(), None if w.min is None else w.min.half().float())
     table = QuantizedLinear(w)
     assert (table.scale.dtype == torch.float16) == half_scales
     ids = torch.tensor([[0, 47, 9], [8, 15, 9]])
@@ -189,6 +197,7 @@ def test_gguf_blocks_become_quantized_weights_exactly(ggml_type: str) -> None:
     blocks = gguf_quantize(values, kind)
     got = from_gguf_blocks(blocks, ggml_type, 24, 128)
     assert got is not None and got.bits == int(ggml_type[1])
+    assert (got.min is None) == (ggml_type != "Q4_1")  # Q4_0's is always -8 · d: not held
     assert torch.equal(got.dequantize(), torch.from_numpy(dequantize(blocks, kind)))
 
 
@@ -220,28 +229,36 @@ def test_weight_format_decides_what_stays_quantized() -> None:
     assert quant.target_bits("fp32", proj, "Q4_1") is None
 
 
-def test_five_bit_blocks_join_eight_bit_ones_exactly() -> None:
-    """A fused q/k/v whose v is Q8_0 and q, k Q5_0 (half of Gemma 3's Q4_K_M layers) meets at 8
-    bits without rounding; a 4-bit part among them is requantised."""
+def test_blocks_without_minimums_join_eight_bit_ones_exactly() -> None:
+    """A fused q/k/v whose v is Q8_0 and q, k Q5_0 (half of Gemma 3's Q4_K_M layers) or Q4_0 meets
+    at 8 bits without rounding; a 4-bit part with minimums among them is requantised, and 4-bit
+    parts with and without minimums meet in 4 bits, exactly."""
     torch.manual_seed(2)
     five, eight, four = (quantize(torch.randn(8 * n, 64), bits) for n, bits in ((2, 5), (1, 8), (1, 4)))
-    fused = quant.concatenate([five, eight])
-    assert fused.bits == 8 and torch.equal(fused.dequantize(), torch.cat([five.dequantize(), eight.dequantize()]))
-    assert five.exactly_as(8) is not None and four.exactly_as(8) is None and eight.exactly_as(5) is None
+    four_0 = _weight("q4_0", 16, 64)
+    four_0.scale = four_0.scale.half().float()  # as Q4_0's: then scale · (q + 8) - 8 · scale is exact
+    for part in (five, four_0):
+        fused = quant.concatenate([part, eight])
+        assert fused.bits == 8 and torch.equal(fused.dequantize(), torch.cat([part.dequantize(), eight.dequantize()]))
+    assert four.exactly_as(8) is None and eight.exactly_as(5) is None
     assert quant.concatenate([five, four]).bits == 8
+    fused = quant.concatenate([four_0, four])
+    assert fused.bits == 4 and fused.min is not None
+    assert torch.equal(fused.dequantize(), torch.cat([four_0.dequantize(), four.dequantize()]))
 
 
 @needs_kernel
 @pytest.mark.parametrize("isa", ["native", "avx2"])
-def test_five_bit_blocks_compute_what_eight_bit_ones_do(isa: str) -> None:
-    """The same values held in 5 or in 8 bits give the same bits out: both take Σ q·x exactly in
-    int32 (5 bits: unsigned q + 16 less 16 · Σ x_q, unpacked to 8-bit vectors for VNNI at more than
-    one row) before the same float operations."""
+@pytest.mark.parametrize("kind", ["q4_0", "q5"])
+def test_blocks_without_minimums_compute_what_eight_bit_ones_do(isa: str, kind: str) -> None:
+    """The same values held in 4 (Q4_0's), 5 or 8 bits give the same bits out: each takes Σ q·x
+    exactly in int32 (unsigned q + 8 or + 16 less 8 or 16 · Σ x_q; 5 bits unpacked to 8-bit
+    vectors for VNNI at more than one row) before the same float operations."""
     torch.manual_seed(3)
-    five = quantize(torch.randn(48, 192), 5)
-    eight = five.exactly_as(8)
+    narrow = _weight(kind, 48, 192)
+    eight = narrow.exactly_as(8)
     assert eight is not None
-    layers = QuantizedLinear(five), QuantizedLinear(eight)
+    layers = QuantizedLinear(narrow), QuantizedLinear(eight)
     for m in (1, 3, 5, 70, 130, 300):
         x = torch.randn(m, 192) * 3
         got, want = ((layer(x) if isa == "native" else _run(_avx2_kernels(), layer, x)) for layer in layers)

@@ -1,11 +1,13 @@
 """Weights kept quantised in memory: blocks of 32 along the input dimension, run by
 csrc/quant_gemm.c.
 
-Three formats, each with a scale per block (and, for 4 bits, a minimum):
+Three formats, each with a scale per block (and, for 4 bits, a minimum where the source has one):
 - q8: value = scale · q, q in [-127, 127] (llama.cpp's Q8_0);
 - q5: value = scale · q, q in [-16, 15] (llama.cpp's Q5_0; fits q8 exactly, so mixed with 8-bit
   parts in a fused projection it simply becomes 8 bits);
-- q4: value = scale · q + min, q in [0, 15] (Q4_0, Q4_1 and Q4_K's sub-blocks all fit exactly).
+- q4: value = scale · q + min, q in [0, 15] (Q4_1 and Q4_K's sub-blocks fit exactly), or without
+  minimums value = scale · q, q in [-8, 7] (Q4_0: its min would always be -8 · scale; it fits q8
+  exactly as q5 does).
 A GGUF's blocks of those types become these without a round trip through fp32; anything else
 (fp32/bf16 weights, other GGUF types) is quantised from fp32 at load (`quantize`, 4 or 8 bits).
 The kernel reads the block values in fp16 where that holds them exactly (Q4_0, Q4_1, Q8_0), as
@@ -30,12 +32,15 @@ from tokenmill.models import kernels
 from tokenmill.models.weight_formats import WEIGHT_FORMATS as WEIGHT_FORMATS  # its old home
 
 BLOCK = 32
+Q4_OFFSET = 8  # 4 bits without minimums are stored as q + 8: csrc/team.h's Q4_OFFSET
 SUPER_BLOCK = 256  # a k-quant's: csrc/team.h's SUPER_BLOCK
 _FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
 _FIVE_BIT = ("Q5_0",)
 _EIGHT_BIT = ("Q8_0",)
 # The GGUF types from_gguf_blocks maps exactly, by the bits it keeps them in.
 _EXACT = {4: _FOUR_BIT, 5: _FIVE_BIT, 8: _EIGHT_BIT}
+# Those whose blocks are scale · q, no minimums: they widen to 8-bit blocks exactly.
+_WIDEN_EXACTLY = ("Q4_0", "Q5_0")
 _FLOAT = ("F32", "F16", "BF16", "F64")
 # Weights read by a token id, or producing the logits: kept at 8 bits under q4 (as llama.cpp's
 # 4-bit presets keep the output layer wider) unless the file already has them in 4 bits.
@@ -66,9 +71,10 @@ class SuperBlockValues:
 
 @dataclass
 class Quantized:
-    """A [N, K] weight: q uint8 (4 bits) or int8 (5 and 8 bits) [N, K]; scale (and min, 4 bits
-    only) fp32 [N, K / 32]; for 4 bits from Q4_K, `factors` are the same scale and min as that
-    file's super-block factors (SuperBlockValues), which the kernel reads instead."""
+    """A [N, K] weight: q [N, K], uint8 for 4 bits with minimums, else int8 (value = scale · q);
+    scale (and min, 4 bits only) fp32 [N, K / 32]; for 4 bits from Q4_K, `factors` are the same
+    scale and min as that file's super-block factors (SuperBlockValues), which the kernel reads
+    instead."""
 
     bits: int
     q: torch.Tensor
@@ -94,11 +100,18 @@ class Quantized:
                          factors)
 
     def exactly_as(self, bits: int) -> Quantized | None:
-        """The same values in `bits`-bit blocks where no rounding is needed (5 bits widen to 8 as
-        they are), else None."""
+        """The same values in `bits`-bit blocks where no rounding is needed (blocks without
+        minimums widen to 8 as they are), else None."""
         if bits == self.bits:
             return self
-        return Quantized(8, self.q, self.scale) if (self.bits, bits) == (5, 8) else None
+        return Quantized(8, self.q, self.scale) if bits == 8 and self.min is None else None
+
+    def with_minimums(self) -> Quantized:
+        """4 bits: the same values as scale · u + min, u in [0, 15] (exact for scales of at most 20
+        significant bits, as Q4_0's fp16 ones)."""
+        if self.min is not None:
+            return self
+        return Quantized(4, (self.q + Q4_OFFSET).to(torch.uint8), self.scale, -Q4_OFFSET * self.scale)
 
 
 Weight = torch.Tensor | Quantized  # a state dict's value once the loader may keep blocks
@@ -128,7 +141,7 @@ def held_as(setting: str, name: str, source_type: str, shape: tuple[int, ...]) -
         return source_type if source_type == "F32" else f"fp32 (dequantised from {source_type})"
     if source_type in _EXACT[bits]:
         return f"{bits}-bit blocks, as in the file"
-    if bits == 8 and source_type in _FIVE_BIT:
+    if bits == 8 and source_type in _WIDEN_EXACTLY:
         return f"8-bit blocks (widened exactly from {source_type})"
     return f"{bits}-bit blocks (requantised from {source_type})"
 
@@ -164,10 +177,13 @@ def quantize(weight: torch.Tensor, bits: int) -> Quantized:
 
 
 def concatenate(parts: list[Quantized]) -> Quantized:
-    """Stacked along N (fused q/k/v or gate/up). Mixed widths meet at 8 bits: a 5-bit part as it
-    is, a 4-bit part requantised (its values fit 8 bits up to the rounding of an asymmetric grid)."""
+    """Stacked along N (fused q/k/v or gate/up). Mixed widths meet at 8 bits: a part without
+    minimums as it is, a 4-bit one with them requantised (its values fit 8 bits up to the rounding
+    of an asymmetric grid); 4-bit parts with and without minimums meet with them."""
     if len({p.bits for p in parts}) > 1:
         parts = [p.exactly_as(8) or quantize(p.dequantize(), 8) for p in parts]
+    elif len({p.min is None for p in parts}) > 1:
+        parts = [p.with_minimums() for p in parts]
     mins = [p.min for p in parts]
     factors = [p.factors for p in parts if p.factors is not None]
     return Quantized(
@@ -195,8 +211,10 @@ def pack_q8(q: torch.Tensor) -> torch.Tensor:
 
 
 def pack_q4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K] in 0..15 -> [N/8, K/32, 4, 32]: vector p holds k-group p (low nibbles) and
-    k-group p + 4 (high nibbles), each as 8 columns × 4 k."""
+    """uint8 [N, K] in 0..15, or int8 in -8..7 (held as q + Q4_OFFSET) -> [N/8, K/32, 4, 32]:
+    vector p holds k-group p (low nibbles) and k-group p + 4 (high nibbles), each as 8 columns × 4 k."""
+    if q.dtype == torch.int8:
+        q = (q + Q4_OFFSET).to(torch.uint8)
     n, k = q.shape
     groups = q.reshape(n // 8, 8, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)  # [N/8, KB, group, col, k]
     return (groups[:, :, :4] | (groups[:, :, 4:] << 4)).reshape(n // 8, k // BLOCK, 4, 32).contiguous()
@@ -374,12 +392,13 @@ def from_gguf_blocks(raw: np.ndarray, ggml_type: str, n: int, k: int) -> Quantiz
         high = np.unpackbits(b[..., 2:6], axis=-1, bitorder="little")  # bit j of the uint32: element j's
         q = _nibbles(b[..., 6:], n, k).reshape(n, k // 32, 32) | (high << 4)
         return Quantized(5, _t((q.astype(np.int16) - 16).astype(np.int8).reshape(n, k)), _t(_f16(b[..., :2])[..., 0]))
-    if ggml_type in ("Q4_0", "Q4_1"):  # d (and m) fp16, then 16 bytes: element j low nibble, j+16 high
-        head = 2 if ggml_type == "Q4_0" else 4
-        b = rows.reshape(n, k // 32, head + 16)
-        d = _f16(b[..., :2])[..., 0]
-        m = -8 * d if ggml_type == "Q4_0" else _f16(b[..., 2:4])[..., 0]
-        return Quantized(4, _t(_nibbles(b[..., head:], n, k)), _t(d), _t(m))
+    if ggml_type == "Q4_0":  # fp16 d, then 16 bytes (element j low nibble, j+16 high): d · (q - 8)
+        b = rows.reshape(n, k // 32, 18)
+        q = _nibbles(b[..., 2:], n, k).astype(np.int8) - Q4_OFFSET
+        return Quantized(4, _t(q), _t(_f16(b[..., :2])[..., 0]))
+    if ggml_type == "Q4_1":  # fp16 d and m, then 16 bytes as Q4_0's: d · q + m
+        b = rows.reshape(n, k // 32, 20)
+        return Quantized(4, _t(_nibbles(b[..., 4:], n, k)), _t(_f16(b[..., :2])[..., 0]), _t(_f16(b[..., 2:4])[..., 0]))
     if ggml_type == "Q4_K":
         return _from_q4_k(rows, n, k)
     return None

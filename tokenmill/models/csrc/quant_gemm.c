@@ -9,7 +9,9 @@
  * of 8 output columns and each block of 32 along K:
  *   q8: int8  [N/8][K/32][8 vectors][8 cols][4 k]    value = scale · q,  q in [-127, 127]
  *   q4: uint8 [N/8][K/32][4 vectors][8 cols][4 k]    two nibbles per byte: vector p holds k-group p
- *       in its low nibbles and k-group p+4 in its high ones;  value = scale · q + min,  q in [0, 15]
+ *       in its low nibbles and k-group p+4 in its high ones;  value = scale · q + min,  q in [0, 15],
+ *       or, for a layer without minimums (llama.cpp's Q4_0: 4.5 bits a weight, where a min that
+ *       is always -8 · scale took 5), value = scale · (q - Q4_OFFSET)
  *   q5: uint8 [N/8][K/32][160]   q4's 128 bytes of low nibbles, then a 32-byte plane of fifth bits
  *       (bit j of byte i: k-group j's, at byte i of its vector);  value = scale · (q - 16),  q in [0, 31]
  *       (llama.cpp's Q5_0: 5.5 bits a weight where 8-bit blocks would take 8.5)
@@ -26,7 +28,8 @@
  *
  * Activations: x fp32 [M, K] is quantised into scratch of the calling thread: xq int8 [M, K],
  * xs (scale) and xsum (scale · Σq, the rounded block's sum, for the q4 min term) fp32 [M, K/32], and
- * xqsum, the block's sum of int8 values (int32 [M, K/32]), for the q5 offset and the VNNI path's q8 one.
+ * xqsum, the block's sum of int8 values (int32 [M, K/32]), for the q4 and q5 offsets and the VNNI
+ * path's q8 one.
  *
  * Two instruction paths over the same layouts:
  * - AVX2: `maddubs` (u8 × s8 pairs summed into int16) then `madd` to widen: three instructions per
@@ -163,10 +166,12 @@ static inline __m256i broadcast4(const int8_t *p) {
     return _mm256_set1_epi32(four);
 }
 
-/* R rows (<= ROW_TILE) × one 8-column group of 4-bit weights. */
+/* R rows (<= ROW_TILE) × one 8-column group of 4-bit weights: Σ q·x, then + min · Σ x (the
+ * block's rounded sum) or, without minimums (wm NULL), less Q4_OFFSET · Σ x_q in int32. */
 static inline __attribute__((always_inline)) void q4_tile(
-    const int8_t *xq, const float *xs, const float *xsum, const uint8_t *w, const void *ws,
-    const void *wm, const float *bias, float *y, int K, int N, int accumulate, const int format, const int R) {
+    const int8_t *xq, const float *xs, const float *xsum, const int32_t *xqsum, const uint8_t *w,
+    const void *ws, const void *wm, const float *bias, float *y, int K, int N, int accumulate, const int format,
+    const int R) {
     const int KB = K / BLOCK;
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[ROW_TILE], scale_factors = _mm256_setzero_ps(), min_factors = _mm256_setzero_ps();
@@ -188,7 +193,17 @@ static inline __attribute__((always_inline)) void q4_tile(
                 sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, broadcast4(xr + 4 * p + 16)));
             }
         }
-        const __m256 scale = load_values(ws, kb, format, scale_factors), min = load_values(wm, kb, format, min_factors);
+        const __m256 scale = load_values(ws, kb, format, scale_factors);
+        if (!wm) {
+            for (int r = 0; r < R; r++) {
+                const __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(sums[r], ones),
+                                                     _mm256_set1_epi32(Q4_OFFSET * xqsum[r * KB + kb]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(xs[r * KB + kb])),
+                                         acc[r]);
+            }
+            continue;
+        }
+        const __m256 min = load_values(wm, kb, format, min_factors);
         for (int r = 0; r < R; r++) {
             const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
             acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(xs[r * KB + kb])), acc[r]);
@@ -348,11 +363,12 @@ static inline __attribute__((always_inline)) void store_pair(
     }
 }
 
-/* R rows × two 8-column groups of 4-bit weights (VNNI), `gw` weight bytes and `gv` value bytes apart. */
+/* R rows × two 8-column groups of 4-bit weights (VNNI), `gw` weight bytes and `gv` value bytes
+ * apart; the minimums, or their absence, as in q4_tile. */
 static inline __attribute__((always_inline)) void q4_tile_vnni(
-    const int8_t *xq, const float *xs, const float *xsum, const uint8_t *w, int64_t gw, const void *ws,
-    const void *wm, int64_t gv, const float *bias, float *y, int K, int N, int accumulate, const int format,
-    const int R) {
+    const int8_t *xq, const float *xs, const float *xsum, const int32_t *xqsum, const uint8_t *w, int64_t gw,
+    const void *ws, const void *wm, int64_t gv, const float *bias, float *y, int K, int N, int accumulate,
+    const int format, const int R) {
     const int KB = K / BLOCK, NC = CHAINS(R);
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[ROW_TILE], scale_factors = _mm512_setzero_ps(), min_factors = _mm512_setzero_ps();
@@ -376,6 +392,15 @@ static inline __attribute__((always_inline)) void q4_tile_vnni(
             }
         }
         const __m512 scale = load_value_pair(ws, kb, gv, format, scale_factors);
+        if (!wm) {
+            for (int r = 0; r < R; r++) {
+                const __m512i dot = _mm512_sub_epi32(chain_sum(sums[r], NC),
+                                                     _mm512_set1_epi32(Q4_OFFSET * xqsum[r * KB + kb]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(xs[r * KB + kb])),
+                                         acc[r]);
+            }
+            continue;
+        }
         const __m512 min = load_value_pair(wm, kb, gv, format, min_factors);
         for (int r = 0; r < R; r++) {
             const __m512 dot = _mm512_cvtepi32_ps(chain_sum(sums[r], NC));
@@ -549,7 +574,7 @@ static void group_rows(const QuantLinear *layer, const int8_t *xq, const float *
         const int32_t *qm = xqsum + (int64_t)m * KB;
         float *ym = y + (int64_t)m * N + 8 * g;
 #if VNNI
-#define Q4V(F, R) q4_tile_vnni(xm, sm, tm, w, gw, gs, gm, gv, gb, ym, K, N, accumulate, F, R)
+#define Q4V(F, R) q4_tile_vnni(xm, sm, tm, qm, w, gw, gs, gm, gv, gb, ym, K, N, accumulate, F, R)
 #define Q5V(F, R) q8_tile_vnni(xm, sm, qm, unpacked, (int64_t)KB * 256, gs, gv, gb, ym, K, N, accumulate, F, R, 16)
 #define Q8V(F, R) q8_tile_vnni(xm, sm, qm, w, gw, gs, gv, gb, ym, K, N, accumulate, F, R, 128)
 #define Q4V_AT(F) VNNI_SWITCH(Q4V, F)
@@ -560,7 +585,7 @@ static void group_rows(const QuantLinear *layer, const int8_t *xq, const float *
             continue;
         }
 #endif
-#define Q4(F, R) q4_tile(xm, sm, tm, w, gs, gm, gb, ym, K, N, accumulate, F, R)
+#define Q4(F, R) q4_tile(xm, sm, tm, qm, w, gs, gm, gb, ym, K, N, accumulate, F, R)
 #define Q5(F, R) q5_tile(xm, sm, qm, w, gs, gb, ym, K, N, accumulate, F, R)
 #define Q8(F, R) q8_tile(xm, sm, (const int8_t *)w, gs, gb, ym, K, N, accumulate, F, R)
 #define Q4_AT(F) TILE_SWITCH(Q4, Q4_ROW_TILE, F)
@@ -614,7 +639,8 @@ static inline int block_q(const QuantLinear *w, int64_t group, int b, int col, i
     const uint8_t *block = (const uint8_t *)w->weight + (group * KB + b) * (w->bits == 4 ? 128 : 160);
     const uint8_t byte = block[((kg % 4) * 8 + col) * 4 + j];
     const int low = kg < 4 ? byte & 15 : byte >> 4;
-    return w->bits == 4 ? low : (low | ((block[128 + col * 4 + j] >> kg) & 1) << 4) - 16;
+    if (w->bits == 4) return w->min ? low : low - Q4_OFFSET;
+    return (low | ((block[128 + col * 4 + j] >> kg) & 1) << 4) - 16;
 }
 
 /* Rows `ids` of a packed weight as fp32 [n, K]: the embedding lookup of a table kept in these
@@ -644,14 +670,15 @@ int quant_rows(const QuantLinear *w, const int64_t *ids, int n, float *out) {
     return 0;
 }
 
-/* bits: 4, 5 or 8 (wm used for 4 only); scale_format: how ws and wm hold their values (team.h).
- * Returns 0, -1 when N is not a multiple of 8, K of 32, bits none of those, or the format not
- * one for these bits and K, -3 when out of memory. */
+/* bits: 4, 5 or 8 (wm used for 4 only, where NULL means none: value = scale · (q - Q4_OFFSET));
+ * scale_format: how ws and wm hold their values (team.h). Returns 0, -1 when N is not a multiple
+ * of 8, K of 32, bits none of those, or the format not one for these bits, K and wm, -3 when out
+ * of memory. */
 int quant_linear(int bits, int scale_format, const float *x, const void *w, const void *ws, const void *wm,
                  const float *bias, float *y, int M, int N, int K, int num_threads) {
     if (N % 8 != 0 || K % BLOCK != 0 || (bits != 4 && bits != 5 && bits != 8)) return -1;
     if (scale_format != SCALES_F32 && scale_format != SCALES_F16 &&
-        (scale_format != SCALES_SUPER_BLOCKS || bits != 4 || K % SUPER_BLOCK != 0))
+        (scale_format != SCALES_SUPER_BLOCKS || bits != 4 || K % SUPER_BLOCK != 0 || !wm))
         return -1;
     int8_t *xq = thread_scratch(quant_linear_scratch_bytes(M, K));
     if (!xq) return -3;

@@ -14,9 +14,11 @@
 enum { SCALES_F32 = 0, SCALES_F16 = 1, SCALES_SUPER_BLOCKS = 2 };
 #define SUPER_BLOCK 256 /* SCALES_SUPER_BLOCKS: k values a super-block's factor covers */
 #define SUPER_BLOCK_BYTES 80  /* SCALES_SUPER_BLOCKS: 8 fp16 factors, then 8 blocks × 8 u8 ones */
+#define Q4_OFFSET 8  /* a 4-bit layer without minimums (Q4_0's): value = scale · (q - 8) */
 
 /* A linear layer with quantised weights (layouts in quant_gemm.c): scale and min as scale_format
- * says; min is NULL at 5 and 8 bits and bias NULL when there is none. */
+ * says; min is NULL at 5 and 8 bits and for 4-bit blocks without minimums (Q4_0's), bias NULL
+ * when there is none. */
 typedef struct {
     int bits, out_features, in_features, scale_format;
     const void *weight, *scale, *min;
