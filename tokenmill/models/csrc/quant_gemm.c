@@ -194,20 +194,13 @@ static inline __attribute__((always_inline)) void q4_tile(
             }
         }
         const __m256 scale = load_values(ws, kb, format, scale_factors);
-        if (!wm) {
-            for (int r = 0; r < R; r++) {
-                const __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(sums[r], ones),
-                                                     _mm256_set1_epi32(Q4_OFFSET * xqsum[r * KB + kb]));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(xs[r * KB + kb])),
-                                         acc[r]);
-            }
-            continue;
-        }
-        const __m256 min = load_values(wm, kb, format, min_factors);
+        const __m256 min = wm ? load_values(wm, kb, format, min_factors) : _mm256_setzero_ps();
         for (int r = 0; r < R; r++) {
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
-            acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(xs[r * KB + kb])), acc[r]);
-            acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(xsum[r * KB + kb]), acc[r]);
+            __m256i dot = _mm256_madd_epi16(sums[r], ones);
+            if (!wm) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(Q4_OFFSET * xqsum[r * KB + kb]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(xs[r * KB + kb])),
+                                     acc[r]);
+            if (wm) acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(xsum[r * KB + kb]), acc[r]);
         }
     }
     store_tile(acc, bias, y, N, accumulate, R);
@@ -392,20 +385,13 @@ static inline __attribute__((always_inline)) void q4_tile_vnni(
             }
         }
         const __m512 scale = load_value_pair(ws, kb, gv, format, scale_factors);
-        if (!wm) {
-            for (int r = 0; r < R; r++) {
-                const __m512i dot = _mm512_sub_epi32(chain_sum(sums[r], NC),
-                                                     _mm512_set1_epi32(Q4_OFFSET * xqsum[r * KB + kb]));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(xs[r * KB + kb])),
-                                         acc[r]);
-            }
-            continue;
-        }
-        const __m512 min = load_value_pair(wm, kb, gv, format, min_factors);
+        const __m512 min = wm ? load_value_pair(wm, kb, gv, format, min_factors) : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
-            const __m512 dot = _mm512_cvtepi32_ps(chain_sum(sums[r], NC));
-            acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(xs[r * KB + kb])), acc[r]);
-            acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(xsum[r * KB + kb]), acc[r]);
+            __m512i dot = chain_sum(sums[r], NC);
+            if (!wm) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(Q4_OFFSET * xqsum[r * KB + kb]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(xs[r * KB + kb])),
+                                     acc[r]);
+            if (wm) acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(xsum[r * KB + kb]), acc[r]);
         }
     }
     store_pair(acc, bias, y, N, accumulate, R);
