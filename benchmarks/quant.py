@@ -14,6 +14,7 @@ Every timed number is printed with the CPU seconds other processes used meanwhil
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import statistics
@@ -88,7 +89,8 @@ ROWS = (1, 8, 32, 64, 128, 256)
 
 def set_shapes() -> list[tuple[str, int, int, int]]:
     """The layer shapes of benchmarks/model_set.py's models, as the engine fuses them (q/k/v, gate/up),
-    at 4 and 8 bits, and each tied lm_head (the SmolLM2 vocabulary) at 8."""
+    at 4 and 8 bits, down also at 6 (Q4_K_M keeps some in Q6_K), and each lm_head (the SmolLM2
+    vocabulary) at 6 and 8 (Q6_K in the 4-bit files, Q8_0 in the 8-bit ones)."""
     from model_set import SHAPES as MODELS  # beside this script
     from model_set import VOCAB_SIZE
 
@@ -99,7 +101,8 @@ def set_shapes() -> list[tuple[str, int, int, int]]:
         layers = [("qkv", q + 2 * kv, m.hidden_size), ("o", m.hidden_size, q),
                   ("gate_up", 2 * m.ffn_size, m.hidden_size), ("down", m.hidden_size, m.ffn_size)]
         shapes += [(f"{m.name} {layer}", n, k, bits) for layer, n, k in layers for bits in (4, 8)]
-        shapes.append((f"{m.name} lm_head", m.vocab_size, m.hidden_size, 8))
+        shapes.insert(-1, (f"{m.name} down", m.hidden_size, m.ffn_size, 6))
+        shapes += [(f"{m.name} lm_head", m.vocab_size, m.hidden_size, bits) for bits in (6, 8)]
     return shapes
 
 
@@ -137,6 +140,14 @@ def _held_as(w: Quantized, form: ScaleFormat) -> Quantized:
     return dataclasses.replace(w, scale=factors[0].values(), min=factors[1].values(), factors=factors)
 
 
+def _q6_k_like(n: int, k: int) -> Quantized:
+    """Random 6-bit blocks with Q6_K's block values (an fp16 factor a super-block times an int8
+    a half block), for timing: benchmarks/quant.py has no 6-bit quantiser."""
+    scale = SuperBlockValues((torch.rand(n, k // SUPER_BLOCK) / 2048).half(),
+                             torch.randint(-128, 128, (n, k // 16), dtype=torch.int8))
+    return Quantized(6, torch.randint(-32, 32, (n, k), dtype=torch.int8), scale.values(), None, (scale, None))
+
+
 def kernels(args: argparse.Namespace) -> dict:
     """GMAC/s per layer shape and row count: the kernel this CPU takes (AVX-512 VNNI where it has
     it), the AVX2 build of the same source, and oneDNN fp32; against the measured int8 peak. At 4
@@ -155,7 +166,7 @@ def kernels(args: argparse.Namespace) -> dict:
     meter = CpuMeter()
     for name, n, k, bits in SHAPES if args.shapes == "small" else set_shapes():
         weight = torch.randn(n, k) * 0.05
-        blocks = quantize(weight, bits)
+        blocks = _q6_k_like(n, k) if bits == 6 else quantize(weight, bits)
         quantized = QuantizedLinear(blocks)
         forms = (ScaleFormat.F16, ScaleFormat.SUPER_BLOCKS) if bits == 4 and k % SUPER_BLOCK == 0 else ()
         other_forms = {form: QuantizedLinear(_held_as(blocks, form)) for form in forms}
@@ -184,8 +195,7 @@ def kernels(args: argparse.Namespace) -> dict:
 
 def _run_on(lib, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
     y = torch.empty(x.shape[0], layer.out_features)
-    lib.quant_linear(layer.bits, layer.scale_format, x.data_ptr(), *layer._pointers, y.data_ptr(), x.shape[0],
-                     layer.out_features, x.shape[1], torch.get_num_threads())
+    lib.quant_linear(ctypes.byref(layer.kernel_args()), x.data_ptr(), y.data_ptr(), x.shape[0], torch.get_num_threads())
     return y
 
 

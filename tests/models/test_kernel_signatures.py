@@ -13,7 +13,16 @@ import pytest
 import torch
 
 from tokenmill.models import kernels
-from tokenmill.models.quant import Q4_OFFSET, SUPER_BLOCK, ScaleFormat, SuperBlockValues, pack_super_block_values
+from tokenmill.models.quant import (
+    BLOCK,
+    HALF_BLOCK,
+    Q4_OFFSET,
+    Q6_OFFSET,
+    SUPER_BLOCK,
+    ScaleFormat,
+    SuperBlockValues,
+    pack_super_block_values,
+)
 
 CSRC = Path(kernels.__file__).with_name("csrc")
 # What kernels.py passes for each C type: every pointer as a void pointer (a tensor's data_ptr()).
@@ -50,13 +59,13 @@ def c_prototypes(name: str) -> list[tuple[type, list[type]]]:
 
 
 def c_struct(name: str, structs: dict[str, type]) -> list[tuple[str, type]]:
-    """The fields of `typedef struct { ... } name;`, in order."""
-    match = re.search(rf"typedef\s+struct\s*\{{([^}}]*)\}}\s*{name}\s*;", _source())
+    """The fields of `typedef struct [tag] { ... } name;`, in order."""
+    match = re.search(rf"typedef\s+struct\s*(?:\w+\s*)?\{{([^}}]*)\}}\s*{name}\s*;", _source())
     assert match, f"no typedef struct {name} in csrc/"
     fields = []
     for statement in filter(str.strip, match.group(1).split(";")):
         first, *more = statement.split(",")  # `const void *weight, *scale, *min`
-        base = re.match(r"\s*((?:const\s+)?\w+)", first)
+        base = re.match(r"\s*((?:const\s+)?(?:struct\s+)?\w+)", first)
         assert base
         for declarator in [first[base.end():], *more]:
             field = re.sub(r"[\s*]", "", declarator)
@@ -90,15 +99,24 @@ def test_each_struct_has_the_c_fields_in_order(name: str) -> None:
 
 
 def test_scale_formats_and_super_blocks_are_those_of_the_c() -> None:
-    """quant.py's ScaleFormat, super-block sizes and 4-bit offset restate team.h's: a mismatch would
-    read every scale (or weight) of a layer wrongly."""
+    """quant.py's ScaleFormat, block and super-block sizes and offsets restate team.h's: a mismatch
+    would read every scale (or weight) of a layer wrongly."""
     header = (CSRC / "team.h").read_text()
     formats = dict(re.findall(r"SCALES_(\w+) = (\d+)", header))
     assert {f.name: f.value for f in ScaleFormat} == {k: int(v) for k, v in formats.items()}
-    defines = dict(re.findall(r"#define (SUPER_BLOCK\w*|Q4_OFFSET) (\d+)", header))
-    assert int(defines["SUPER_BLOCK"]) == SUPER_BLOCK and int(defines["Q4_OFFSET"]) == Q4_OFFSET
-    one = SuperBlockValues(torch.ones(8, 1, dtype=torch.float16), torch.ones(8, SUPER_BLOCK // 32, dtype=torch.uint8))
-    assert pack_super_block_values(one).shape[-1] == int(defines["SUPER_BLOCK_BYTES"])
+    defines = dict(re.findall(r"#define (SUPER_BLOCK|Q4_OFFSET|Q6_OFFSET) (\d+)", header))
+    assert (int(defines["SUPER_BLOCK"]), int(defines["Q4_OFFSET"]), int(defines["Q6_OFFSET"])) == (
+        SUPER_BLOCK, Q4_OFFSET, Q6_OFFSET)
+    sub_blocks = re.search(r"#define SUB_BLOCK\(bits\) \(\(bits\) == 6 \? (\d+) : (\d+)\)", header)
+    assert sub_blocks is not None and tuple(map(int, sub_blocks.groups())) == (HALF_BLOCK, BLOCK)
+    layout = re.search(r"#define SUPER_BLOCK_BYTES\(bits\) \((\d+) \+ (\d+) \* \(SUPER_BLOCK / SUB_BLOCK\(bits\)\)\)",
+                       header)
+    assert layout is not None
+    factor_bytes, bytes_per_sub_block = map(int, layout.groups())
+    for sub_block, dtype in ((BLOCK, torch.uint8), (HALF_BLOCK, torch.int8)):
+        subs = SUPER_BLOCK // sub_block
+        one = SuperBlockValues(torch.ones(8, 1, dtype=torch.float16), torch.ones(8, subs, dtype=dtype))
+        assert pack_super_block_values(one).shape[-1] == factor_bytes + bytes_per_sub_block * subs
 
 
 def test_every_c_file_is_packaged() -> None:

@@ -19,6 +19,7 @@ from tokenmill import LLM
 from tokenmill.engine import perplexity
 from tokenmill.formats.gguf_header import read_gguf_header
 from tokenmill.models import kernels, quant
+from tokenmill.models.decode_stack import DecodeStack
 from tokenmill.models.gguf_file import read_gguf
 from tokenmill.models.loader import load_weights
 from tokenmill.models.quant import (
@@ -26,7 +27,9 @@ from tokenmill.models.quant import (
     Quantized,
     QuantizedEmbedding,
     QuantizedLinear,
+    QuantizedParts,
     ScaleFormat,
+    StackedQuantizedLinear,
     SuperBlockValues,
     from_gguf_blocks,
     quantize,
@@ -45,23 +48,27 @@ CORPUS = Path(__file__).resolve().parents[2] / "benchmarks" / "corpus.txt"
 
 def _integer_reference(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None) -> torch.Tensor:
     """What the kernel must compute: x rounded to int8 per block of 32 (scale = max|x| / 127),
-    integer block dot products, then the scales (and the 4-bit minimum against the rounded block's
-    sum, scale · Σq, as llama.cpp's Q8_1)."""
+    integer dot products over each block (each half block at 6 bits), then the scales (and the
+    4-bit minimum against the rounded block's sum, scale · Σq, as llama.cpp's Q8_1)."""
     m, k = x.shape
     xb = x.double().reshape(m, k // 32, 32)
     d = xb.abs().amax(-1) / 127
     xq = torch.round(xb / torch.where(d > 0, d, 1)[..., None])
-    dots = torch.einsum("mbk,nbk->mnb", xq, w.q.double().reshape(w.shape[0], k // 32, 32))
-    y = (dots * d[:, None, :] * w.scale.double()[None]).sum(-1)
+    sub = w.sub_block
+    dots = torch.einsum("mbk,nbk->mnb", xq.reshape(m, k // sub, sub), w.q.double().reshape(w.shape[0], k // sub, sub))
+    y = (dots * d.repeat_interleave(32 // sub, dim=-1)[:, None, :] * w.scale.double()[None]).sum(-1)
     if w.min is not None:
         y += ((xq.sum(-1) * d)[:, None, :] * w.min.double()[None]).sum(-1)
     return y if bias is None else y + bias.double()
 
 
 def _weight(kind: str, n: int, k: int) -> Quantized:
-    """q4 (with minimums), q4_0 (without: scale · q, q in -8..7, as Q4_0's blocks), q5 or q8 blocks."""
+    """q4 (with minimums), q4_0 (without: scale · q, q in -8..7, as Q4_0's blocks), q5, q6 (scale · q,
+    q in -32..31, a scale a half block, as Q6_K's) or q8 blocks."""
     if kind == "q4_0":
         return Quantized(4, torch.randint(-8, 8, (n, k), dtype=torch.int8), torch.rand(n, k // 32) / 8 - 1 / 16)
+    if kind == "q6":
+        return Quantized(6, torch.randint(-32, 32, (n, k), dtype=torch.int8), torch.rand(n, k // 16) / 32 - 1 / 64)
     return quantize(torch.randn(n, k), int(kind[1]))
 
 
@@ -72,16 +79,15 @@ def _avx2_kernels() -> ctypes.CDLL:
     return lib
 
 
-def _run(lib: ctypes.CDLL, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+def _run(lib: ctypes.CDLL, layer: QuantizedLinear | StackedQuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x.shape[0], layer.out_features)
-    assert lib.quant_linear(layer.bits, layer.scale_format, x.data_ptr(), *layer._pointers, y.data_ptr(),
-                            x.shape[0], layer.out_features, x.shape[1], 2) == 0
+    assert lib.quant_linear(ctypes.byref(layer.kernel_args()), x.data_ptr(), y.data_ptr(), x.shape[0], 2) == 0
     return y
 
 
 @needs_kernel
 @pytest.mark.parametrize("isa", ["native", "avx2"])
-@pytest.mark.parametrize("kind", ["q4", "q4_0", "q5", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q4_0", "q5", "q6", "q8"])
 @pytest.mark.parametrize("scales", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("m", "n", "k"),
                          [(1, 8, 32), (3, 40, 64), (4, 16, 96), (5, 40, 64), (7, 136, 320), (130, 24, 64),
@@ -120,7 +126,7 @@ def test_quantize_round_trips_within_half_a_step() -> None:
         assert (error[clamped] <= (step[..., None] + 1e-6).expand_as(error)[clamped]).all()
 
 
-@pytest.mark.parametrize("kind", ["q4", "q4_0", "q5", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q4_0", "q5", "q6", "q8"])
 @pytest.mark.parametrize("half_scales", [False, True])
 def test_embedding_rows_read_from_the_packed_layout(kind: str, half_scales: bool) -> None:
     """Bit for bit the dequantised rows (scale · q, then + min, each rounded), with the fp32 block
@@ -137,10 +143,16 @@ def test_embedding_rows_read_from_the_packed_layout(kind: str, half_scales: bool
         QuantizedEmbedding(table)(torch.tensor([3, 48]))
 
 
-def _q4_k_like(n: int, k: int, seed: int) -> Quantized:
-    """A 4-bit weight with Q4_K's block values: an fp16 factor per super-block of 256 times a 6-bit
-    multiple per block, for the scales and (negative) minimums; most products are not fp16."""
+def _k_quant_like(bits: int, n: int, k: int, seed: int) -> Quantized:
+    """A weight with a k-quant's block values: an fp16 factor per super-block of 256 times a
+    multiple, Q4_K's (4 bits: a 6-bit one per block, for the scales and the negative minimums) or
+    Q6_K's (6 bits: an int8 one per half block, for the scales); most products are not fp16."""
     g = torch.Generator().manual_seed(seed)
+    if bits == 6:
+        q = torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=g)
+        scale = SuperBlockValues((torch.rand(n, k // SUPER_BLOCK, generator=g) / 256).half(),
+                                 torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=g))
+        return Quantized(6, q, scale.values(), None, (scale, None))
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
     factors = tuple(SuperBlockValues((torch.rand(n, k // SUPER_BLOCK, generator=g) * sign / 64).half(),
                                      torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=g))
@@ -150,18 +162,20 @@ def _q4_k_like(n: int, k: int, seed: int) -> Quantized:
 
 @needs_kernel
 @pytest.mark.parametrize("isa", ["native", "avx2"])
-def test_q4_k_factors_compute_what_their_fp32_products_do(isa: str) -> None:
-    """Q4_K's block values read as the file's factors (4.625 bits a weight) give the same bits out
-    as the same values in fp32 (6 bits): each product is exact in fp32. Up to 8 rows the tiles
-    compute the products, past that they are expanded to fp32 once per chunk; n = 40 has a lone last
-    group (the AVX2 tile on a VNNI CPU); 300 rows cross a 256-row chunk."""
+@pytest.mark.parametrize("bits", [4, 6])
+def test_k_quant_factors_compute_what_their_fp32_products_do(isa: str, bits: int) -> None:
+    """Q4_K's and Q6_K's block values read as the file's factors (Q4_K's 4.625 bits a weight) give
+    the same bits out as the same values in fp32 (6 bits): each product is exact in fp32. Up to 8
+    rows the tiles compute the products, past that they are expanded to fp32 once per chunk; n = 40
+    has a lone last group (the AVX2 tile on a VNNI CPU); 300 rows cross a 256-row chunk."""
     torch.manual_seed(4)
-    w = _q4_k_like(40, 512, 0)
+    w = _k_quant_like(bits, 40, 512, 0)
     assert not torch.equal(w.scale.half().float(), w.scale)  # fp16 would not hold them
     factored, plain = QuantizedLinear(w), QuantizedLinear(dataclasses.replace(w, factors=None))
     assert (factored.scale_format, plain.scale_format) == (ScaleFormat.SUPER_BLOCKS, ScaleFormat.F32)
-    value_bytes = [layer.scale.nbytes + layer.min.nbytes for layer in (factored, plain)]
-    assert value_bytes[0] * 4 / 1.25 == value_bytes[1]  # 1.25 bytes a block and column, not 4
+    subs = SUPER_BLOCK // w.sub_block  # per group and super-block: 8 fp16 factors, then a byte a sub-block and column
+    assert factored.scale.nbytes == 40 // 8 * 512 // SUPER_BLOCK * (16 + 8 * subs)
+    assert plain.scale.nbytes == 40 * 512 // w.sub_block * 4
     for m in (1, 2, 3, 4, 7, 37, 300):
         x = torch.randn(m, 512) * 3
         for bias in (None, torch.randn(40)):
@@ -173,31 +187,44 @@ def test_q4_k_factors_compute_what_their_fp32_products_do(isa: str) -> None:
     assert torch.equal(QuantizedEmbedding(factored)(ids), w.dequantize()[ids])
 
 
-def test_q4_k_factors_follow_permutes_and_fusion() -> None:
+@pytest.mark.parametrize("bits", [4, 6])
+def test_k_quant_factors_follow_permutes_and_fusion(bits: int) -> None:
     """q/k rows permuted (the GGUF's head order) and q/k/v or gate/up stacked keep factors whose
-    products are the weight's scales and minimums; a part without factors drops them."""
-    parts = [_q4_k_like(8 * n, 256, seed) for seed, n in enumerate((3, 1, 1))]
+    products are the weight's scales (and minimums); a part without factors stays a part of its own."""
+    parts = [_k_quant_like(bits, 8 * n, 256, seed) for seed, n in enumerate((3, 1, 1))]
     order = torch.randperm(24)
     fused = quant.concatenate([parts[0].permute_rows(order), *parts[1:]])
-    assert fused.factors is not None
-    assert torch.equal(fused.factors[0].values(), fused.scale) and torch.equal(fused.factors[1].values(), fused.min)
+    assert fused.factors is not None and torch.equal(fused.factors[0].values(), fused.scale)
+    if bits == 4:
+        assert fused.factors[1] is not None and torch.equal(fused.factors[1].values(), fused.min)
     want = torch.cat([parts[0].dequantize()[order], *(p.dequantize() for p in parts[1:])])
     assert torch.equal(fused.dequantize(), want)
-    assert quant.concatenate([parts[0], quantize(torch.randn(8, 256), 4)]).factors is None
+    mixed = quant.concatenate([parts[0], dataclasses.replace(parts[1], factors=None)])
+    assert isinstance(mixed, QuantizedParts) and mixed.parts[1].factors is None
 
 
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q5_0", "Q4_0", "Q4_1"])
+def _random_q6_k_blocks(n: int, k: int) -> np.ndarray:
+    """Q6_K rows of random bytes (gguf cannot quantise to Q6_K), each super-block's d a small fp16."""
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (n, k // SUPER_BLOCK, 210), dtype=np.uint8)
+    blocks[..., 208:] = (rng.random((n, k // SUPER_BLOCK, 1)) / 256).astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q6_K", "Q5_0", "Q4_0", "Q4_1"])
 def test_gguf_blocks_become_quantized_weights_exactly(ggml_type: str) -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
     from gguf.quants import quantize as gguf_quantize
 
     kind = GGMLQuantizationType[ggml_type]
-    values = np.random.default_rng(0).standard_normal((24, 128)).astype(np.float32)
-    blocks = gguf_quantize(values, kind)
-    got = from_gguf_blocks(blocks, ggml_type, 24, 128)
+    values = np.random.default_rng(0).standard_normal((24, 512)).astype(np.float32)
+    blocks = _random_q6_k_blocks(24, 512) if ggml_type == "Q6_K" else gguf_quantize(values, kind)
+    got = from_gguf_blocks(blocks, ggml_type, 24, 512)
     assert got is not None and got.bits == int(ggml_type[1])
     assert (got.min is None) == (ggml_type != "Q4_1")  # Q4_0's is always -8 · d: not held
+    if ggml_type == "Q6_K":
+        assert got.factors is not None and QuantizedLinear(got).scale_format == ScaleFormat.SUPER_BLOCKS
     assert torch.equal(got.dequantize(), torch.from_numpy(dequantize(blocks, kind)))
 
 
@@ -219,7 +246,9 @@ def test_gemma3_q4_k_blocks_become_quantized_weights_exactly(gemma3_gguf_path: P
 def test_weight_format_decides_what_stays_quantized() -> None:
     proj, head = "model.layers.0.mlp.down_proj.weight", "lm_head.weight"
     assert quant.target_bits("auto", proj, "Q4_1") == 4
-    assert quant.target_bits("auto", proj, "Q6_K") == 8
+    assert quant.target_bits("auto", proj, "Q6_K") == 6
+    assert quant.target_bits("auto", proj, "Q5_K") == 8  # requantised
+    assert quant.target_bits("q8", proj, "Q6_K") == 8
     assert quant.target_bits("auto", proj, "Q5_0") == 5
     assert quant.target_bits("q8", proj, "Q5_0") == 8  # widened exactly (see the next test)
     assert quant.target_bits("auto", proj, "F16") is None
@@ -229,22 +258,40 @@ def test_weight_format_decides_what_stays_quantized() -> None:
     assert quant.target_bits("fp32", proj, "Q4_1") is None
 
 
-def test_blocks_without_minimums_join_eight_bit_ones_exactly() -> None:
-    """A fused q/k/v whose v is Q8_0 and q, k Q5_0 (half of Gemma 3's Q4_K_M layers) or Q4_0 meets
-    at 8 bits without rounding; a 4-bit part with minimums among them is requantised, and 4-bit
-    parts with and without minimums meet in 4 bits, exactly."""
+def test_fused_parts_keep_their_own_formats() -> None:
+    """A fused q/k/v whose parts differ in format (Q4_K_M's q, k in Q4_K beside a Q6_K v; Gemma 3's
+    Q5_0 beside Q8_0; Q4_0 beside Q4_1) keeps each part as it is, adjacent parts of one format
+    stacked as one; the same values, no widening or requantising."""
     torch.manual_seed(2)
-    five, eight, four = (quantize(torch.randn(8 * n, 64), bits) for n, bits in ((2, 5), (1, 8), (1, 4)))
-    four_0 = _weight("q4_0", 16, 64)
-    four_0.scale = four_0.scale.half().float()  # as Q4_0's: then scale · (q + 8) - 8 · scale is exact
-    for part in (five, four_0):
-        fused = quant.concatenate([part, eight])
-        assert fused.bits == 8 and torch.equal(fused.dequantize(), torch.cat([part.dequantize(), eight.dequantize()]))
-    assert four.exactly_as(8) is None and eight.exactly_as(5) is None
-    assert quant.concatenate([five, four]).bits == 8
-    fused = quant.concatenate([four_0, four])
-    assert fused.bits == 4 and fused.min is not None
-    assert torch.equal(fused.dequantize(), torch.cat([four_0.dequantize(), four.dequantize()]))
+    q, k, v = _k_quant_like(4, 32, 256, 0), _k_quant_like(4, 8, 256, 1), _k_quant_like(6, 8, 256, 2)
+    five, eight, four, four_0 = quantize(torch.randn(16, 64), 5), quantize(torch.randn(8, 64), 8), \
+        quantize(torch.randn(8, 64), 4), _weight("q4_0", 16, 64)
+    for parts, formats in (([q, k, v], [(4, 40), (6, 8)]), ([five, five, eight], [(5, 32), (8, 8)]),
+                           ([four_0, four], [(4, 16), (4, 8)])):
+        fused = quant.concatenate(parts)
+        assert isinstance(fused, QuantizedParts)
+        assert [(p.bits, p.shape[0]) for p in fused.parts] == formats
+        assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    assert isinstance(quant.concatenate([four, four]), Quantized)
+    assert four.exactly_as(8) is None and eight.exactly_as(5) is None and v.exactly_as(8) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_stacked_parts_compute_what_each_part_does(isa: str) -> None:
+    """A layer of parts in several formats (x quantised once, each part's columns after the last's)
+    gives the same bits as each part run alone, bias included; parts of 40 rows end on a lone group
+    (the AVX2 tile on a VNNI CPU), and 300 rows cross a 256-row chunk."""
+    torch.manual_seed(5)
+    parts = [_k_quant_like(4, 40, 512, 0), _weight("q5", 24, 512), _k_quant_like(6, 40, 512, 1), _weight("q8", 16, 512)]
+    bias = torch.randn(120)
+    stacked = StackedQuantizedLinear(QuantizedParts(tuple(parts)), bias)
+    alone = [QuantizedLinear(p, b) for p, b in zip(parts, bias.split([40, 24, 40, 16]), strict=True)]
+    for m in (1, 3, 5, 70, 300):
+        x = torch.randn(m, 512) * 3
+        got = stacked(x) if isa == "native" else _run(_avx2_kernels(), stacked, x)
+        want = torch.cat([layer(x) if isa == "native" else _run(_avx2_kernels(), layer, x) for layer in alone], dim=1)
+        assert torch.equal(got, want), m
 
 
 @needs_kernel
@@ -304,6 +351,45 @@ def test_quantized_tiny_models_match_transformers_on_every_cache_path(arch: str,
     checker.assert_mean_shortfall_within(TINY_MEAN)
 
 
+def _as_6_bit(weight: torch.Tensor) -> Quantized:
+    """Round-to-nearest 6-bit blocks, a scale a half block (as Q6_K's, without its factors)."""
+    n, k = weight.shape
+    halves = weight.reshape(n, k // 16, 16)
+    scale = halves.abs().amax(-1) / 31
+    q = torch.round(halves / torch.where(scale > 0, scale, 1)[..., None]).clamp(-32, 31)
+    return Quantized(6, q.to(torch.int8).reshape(n, k), scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_parts_in_several_formats_match_transformers_on_every_cache_path(arch: str, tmp_path: Path) -> None:
+    """Q4_K_M's layout, where v_proj is 6 bits beside 4-bit q/k and down is 5: the engine's fused
+    q/k/v of two formats (through the decode stack and the layer-by-layer prefill; qwen2's with
+    its q/k/v biases) against transformers running each projection on its own."""
+    model = _tiny_model(arch)
+    model.save_pretrained(tmp_path)
+    weights = load_weights(str(tmp_path))
+    blocks = {}
+    for name, tensor in weights.state_dict.items():
+        if name.endswith("_proj.weight"):
+            kind = "v_proj" if "v_proj" in name else "down_proj" if "down_proj" in name else "other"
+            as_blocks = {"v_proj": _as_6_bit, "down_proj": lambda t: quantize(t, 5)}.get(kind, lambda t: quantize(t, 4))
+            blocks[name] = as_blocks(tensor.float())
+    weights.state_dict.update(blocks)
+    reference = _quantized_reference(model, blocks)
+
+    def make_llm(**overrides: int) -> LLM:
+        return LLM(weights=weights, weight_format="auto", block_size=4, max_num_seqs=8, **overrides)
+
+    runner_model = make_llm().engine.runner.model
+    qkv = runner_model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, StackedQuantizedLinear) and [p.bits for p in qkv.parts] == [4, 6]
+    assert DecodeStack.build(list(runner_model.model.layers), runner_model.rope_cos.shape[-1]) is not None
+    checker = TeacherForcedReference(reference, TINY_TOLERANCE)
+    _check_cache_paths(make_llm, checker, vocab=512)
+    checker.assert_mean_shortfall_within(TINY_MEAN)
+
+
 @needs_kernel
 def test_smollm2_keeps_its_gguf_blocks_and_matches_transformers_running_them(
     gguf_path: Path, smollm_reference: torch.nn.Module
@@ -357,14 +443,14 @@ def test_fp32_setting_and_machines_without_the_kernel(gguf_path: Path, monkeypat
 @needs_kernel
 @pytest.mark.slow
 def test_gemma3_keeps_its_q4_k_m_blocks(gemma3_gguf_path: Path) -> None:
-    """Gemma 3's Q4_K_M file mixes Q4_K, Q5_0, Q8_0 and Q6_K (requantised to 8 bits; a fused
-    q/k/v of Q5_0 and Q8_0 meets at 8) beside a 262k-token table, and scales its embeddings: under
-    auto it stays close to the file's size and to the dequantised model's perplexity (measured:
-    21.20 vs 21.52 on 2 windows)."""
+    """Gemma 3's Q4_K_M file mixes Q4_K, Q5_0, Q8_0 and Q6_K (a fused q/k/v of Q5_0 and Q8_0 meets
+    at 8) beside a 262k-token table, and scales its embeddings: under auto each type keeps its own
+    bits, close to the file's size and to the dequantised model's perplexity (measured: 21.20 vs
+    21.52 on 2 windows)."""
     text = CORPUS.read_text()
     llm = LLM(str(gemma3_gguf_path), max_num_seqs=4)
     model = llm.engine.runner.model
-    assert {m.bits for m in model.modules() if isinstance(m, QuantizedLinear)} == {4, 5, 8}
+    assert {m.bits for m in model.modules() if isinstance(m, QuantizedLinear)} == {4, 5, 6, 8}
     tensors = {**dict(model.named_parameters()), **{n: b for n, b in model.named_buffers() if "rope" not in n}}
     assert sum(t.numel() * t.element_size() for t in tensors.values()) <= 1.3 * gemma3_gguf_path.stat().st_size
     kept = perplexity(llm.engine, text, window=512, max_windows=2)

@@ -18,6 +18,7 @@ from tokenmill.models.packed import onednn_packing_available, pack_linears
 from tokenmill.models.quant import (
     Quantized,
     QuantizedEmbedding,
+    QuantizedParts,
     Weight,
     fits_kernel,
     install_quantized,
@@ -72,13 +73,14 @@ def build_model(
     return model
 
 
-def _split_quantized(state: dict[str, Weight]) -> dict[str, Quantized]:
+def _split_quantized(state: dict[str, Weight]) -> dict[str, Quantized | QuantizedParts]:
     """Take the quantised weights out of `state` (what load_state_dict cannot take); one whose
-    shape the kernel cannot run goes back in as fp32."""
-    quantized: dict[str, Quantized] = {}
+    shape (or a part's) the kernel cannot run goes back in as fp32."""
+    quantized: dict[str, Quantized | QuantizedParts] = {}
     for name, value in list(state.items()):
-        if isinstance(value, Quantized):
-            if fits_kernel(*value.shape):
+        if isinstance(value, Quantized | QuantizedParts):
+            parts = value.parts if isinstance(value, QuantizedParts) else (value,)
+            if all(fits_kernel(*part.shape) for part in parts):
                 quantized[name] = value
                 del state[name]
             else:

@@ -19,7 +19,7 @@ from torch import nn
 
 from tokenmill.models import kernels
 from tokenmill.models.decoder import MLP, DecoderLayer, Gemma3DecoderLayer
-from tokenmill.models.quant import QuantizedLinear, kernel_available
+from tokenmill.models.quant import QuantizedLinear, StackedQuantizedLinear, kernel_available
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # The layers the stack reads its weights and shapes from: decoder.py's (fused.py's subclass their
@@ -32,7 +32,7 @@ class StackLayer(NamedTuple):
 
     layer: Layer
     mlp: MLP  # not a mixture of experts
-    linears: tuple[QuantizedLinear, ...]  # as _PROJECTIONS
+    linears: tuple[QuantizedLinear | StackedQuantizedLinear, ...]  # as _PROJECTIONS
 
 
 class DecodeStack:
@@ -117,7 +117,7 @@ def _stack_layer(layer: Layer) -> StackLayer | None:
     if not isinstance(mlp, MLP):  # a mixture of experts
         return None
     linears = tuple(m for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-                    if isinstance(m, QuantizedLinear))
+                    if isinstance(m, QuantizedLinear | StackedQuantizedLinear))
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
     if isinstance(layer, Gemma3DecoderLayer):
         norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]

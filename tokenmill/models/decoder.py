@@ -25,7 +25,7 @@ from torch import nn
 from tokenmill.models.attention_metadata import AttentionGroup, AttentionMetadata, narrow_to_window
 from tokenmill.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from tokenmill.models.moe import SparseMoE
-from tokenmill.models.quant import Quantized, QuantizedLinear, Weight, concatenate, quantize
+from tokenmill.models.quant import Quantized, QuantizedLinear, QuantizedParts, Weight, concatenate, quantize
 
 # Prefill queries attended at a time (Attention._attend_in_chunks): smaller leaves out more of the
 # masked work, larger makes fewer, bigger SDPA calls. Two 2,048-token prompts measured 540-585
@@ -269,7 +269,8 @@ def _concatenate(parts: list[Weight]) -> Weight:
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)  # type: ignore[arg-type]
     # A fused group is quantised as a whole: a float part (rare in a quantised file) joins at 8 bits.
-    return concatenate([p if isinstance(p, Quantized) else quantize(p, 8) for p in parts])
+    assert not any(isinstance(p, QuantizedParts) for p in parts), "parts are made here, from single weights"
+    return concatenate([p if isinstance(p, Quantized) else quantize(p, 8) for p in parts])  # type: ignore[arg-type]
 
 
 class CausalLM(nn.Module):

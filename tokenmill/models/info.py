@@ -19,10 +19,9 @@ from tokenmill.formats.gguf_config import ROPE_FREQS, gguf_config
 from tokenmill.formats.gguf_header import GGUFHeader, read_gguf_header
 from tokenmill.formats.safetensors_header import safetensors_header
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.decoder import FUSED_PROJECTIONS
 from tokenmill.models.gguf_file import hf_tensor_name, refuse_unrunnable
 from tokenmill.models.loader import check_folder, looks_like_hub_id, model_path, read_config, weight_files
-from tokenmill.models.quant import held_as, target_bits
+from tokenmill.models.quant import held_as
 
 # The KV cache dtypes whose size per token is reported.
 KV_DTYPE_BYTES = {"fp32": 4, "fp16": 2}
@@ -105,20 +104,9 @@ def _held_as(header: GGUFHeader) -> dict[str, int]:
         names = {name: hf_tensor_name(name, arch) for name in header.tensors if name != ROPE_FREQS}
     except ValueError:  # a tensor the loader has no name for: the file does not run (see reason)
         return {}
+    # A fused projection's parts each keep their own format (quant.concatenate).
     kept = {name: held_as("auto", names[name], info.type_name, info.shape)
             for name, info in header.tensors.items() if name in names}
-    # A fused projection (q/k/v, gate/up) whose parts the loader keeps at different widths is kept
-    # at 8 bits as a whole (quant.concatenate): each part as the q8 setting would keep it.
-    by_hf_name = {hf: name for name, hf in names.items()}
-    for hf_name in by_hf_name:
-        for parts in FUSED_PROJECTIONS.values():
-            if not hf_name.endswith(f".{parts[0]}.weight"):
-                continue
-            prefix = hf_name.removesuffix(f"{parts[0]}.weight")
-            members = [by_hf_name[f"{prefix}{part}.weight"] for part in parts if f"{prefix}{part}.weight" in by_hf_name]
-            tensors = [header.tensors[member] for member in members]
-            if len({target_bits("auto", names[t.name], t.type_name, len(t.shape)) for t in tensors}) > 1:
-                kept.update({t.name: held_as("q8", names[t.name], t.type_name, t.shape) for t in tensors})
     return _most_first(kept.values())
 
 

@@ -37,7 +37,7 @@ SIGNATURES = {
     "paged_prefill_attention": [_P, _I64, _P, _I64] + [_P] * 6 + [_I] * 6 + [_F, _I64, _I, _I],
     "small_gemm": [_P] * 4 + [_I] * 4,
     "apply_token_bitmask": [_P, _P, _I, _I, _I],
-    "quant_linear": [_I, _I] + [_P] * 6 + [_I] * 4,
+    "quant_linear": [_P, _P, _P, _I, _I],
     "quant_linear_available": [],
     "quant_rows": [_P, _P, _I, _P],
     "rms_norm": [_P, _P, _P, _I, _I, _F, _F, _I],
@@ -51,7 +51,7 @@ class QuantLinear(ctypes.Structure):
     """csrc/team.h's QuantLinear: a quantised linear layer's shape and buffers."""
 
     _fields_ = [("bits", _I), ("out_features", _I), ("in_features", _I), ("scale_format", _I),
-                ("weight", _P), ("scale", _P), ("min", _P), ("bias", _P)]
+                ("weight", _P), ("scale", _P), ("min", _P), ("bias", _P), ("next", _P)]
 
 
 class DecodeLayer(ctypes.Structure):

@@ -5,7 +5,7 @@
  * quantised to int8 per row and per block of 32 on the way in (as llama.cpp does), so the inner
  * loop is integer dot products (`maddubs`), which also beat fp32 FMA on compute at prefill size.
  *
- * Weight layouts (built by tokenmill/models/quant.py, `pack_q4`, `pack_q5`, `pack_q8`), for each group
+ * Weight layouts (built by tokenmill/models/quant.py, `pack_q4`, `pack_q5`, `pack_q6`, `pack_q8`), for each group
  * of 8 output columns and each block of 32 along K:
  *   q8: int8  [N/8][K/32][8 vectors][8 cols][4 k]    value = scale · q,  q in [-127, 127]
  *   q4: uint8 [N/8][K/32][4 vectors][8 cols][4 k]    two nibbles per byte: vector p holds k-group p
@@ -15,21 +15,27 @@
  *   q5: uint8 [N/8][K/32][160]   q4's 128 bytes of low nibbles, then a 32-byte plane of fifth bits
  *       (bit j of byte i: k-group j's, at byte i of its vector);  value = scale · (q - 16),  q in [0, 31]
  *       (llama.cpp's Q5_0: 5.5 bits a weight where 8-bit blocks would take 8.5)
- *   scale, min: fp32 or fp16 [N/8][K/32][8 cols] (fp16 where that holds them exactly: a GGUF's
+ *   q6: uint8 [N/8][K/32][192]   q4's 128 bytes of low nibbles, then two 32-byte planes of the high
+ *       two bits: bits 2j, 2j+1 of byte i of the first plane are k-group j's (j < 4), of the second
+ *       k-group 4 + j's;  value = scale · (q - Q6_OFFSET),  q in [0, 63], with a scale for each
+ *       half of the block (k-groups 0-3, 4-7: low nibbles, high ones) (llama.cpp's Q6_K: 6.5625 bits
+ *       a weight where the 8-bit blocks it was requantised to took 9)
+ *   scale, min: fp32 or fp16 [N/8][K/32][8 cols], at 6 bits [N/8][K/16][8 cols] (fp16 where that holds them exactly: a GGUF's
  *               blocks carry fp16 ones, and 4 bytes fewer per block is 17% less to read at 4 bits),
- *               or, for 4 bits, Q4_K's factors (SCALES_SUPER_BLOCKS: llama.cpp's Q4_K holds a
- *               block's scale and min as an fp16 per super-block of 256 times a 6-bit integer per
- *               block, products fp16 cannot hold): [N/8][K/256] super-blocks of SUPER_BLOCK_BYTES,
- *               each the 8 columns' fp16 factors, then [8 blocks][8 cols] u8 multiples; 1.25
- *               bytes per block and column where fp32 takes 4
+ *               or, for 4 and 6 bits, the k-quants' factors (SCALES_SUPER_BLOCKS: llama.cpp's Q4_K
+ *               holds a block's scale and min as an fp16 per super-block of 256 times a 6-bit
+ *               integer per block, Q6_K a half block's scale as one times an int8, products fp16
+ *               cannot hold): [N/8][K/256] super-blocks of SUPER_BLOCK_BYTES(bits), each the 8
+ *               columns' fp16 factors, then [8 blocks or 16 halves][8 cols] multiples (u8 at 4
+ *               bits, int8 at 6); 1.25 bytes per block and column where fp32 takes 4
  * A 32-byte vector is 8 columns × 4 consecutive k: one maddubs against the row's 4 int8
  * activations broadcast gives each column's partial dot product in its own 32-bit lane, so no
  * horizontal sums are needed.
  *
  * Activations: x fp32 [M, K] is quantised into scratch of the calling thread: xq int8 [M, K],
- * xs (scale) and xsum (scale · Σq, the rounded block's sum, for the q4 min term) fp32 [M, K/32], and
- * xqsum, the block's sum of int8 values (int32 [M, K/32]), for the q4 and q5 offsets and the VNNI
- * path's q8 one.
+ * xs (scale) and xsum (scale · Σq, the rounded block's sum, for the q4 min term) fp32 [M, K/32],
+ * xqsum, the block's sum of int8 values (int32 [M, K/32]), for the q4, q5 and q6 offsets and the
+ * VNNI path's q8 one, and xqhalf, the sum of its first 16 (int32 [M, K/32]), for q6's halves.
  *
  * Two instruction paths over the same layouts:
  * - AVX2: `maddubs` (u8 × s8 pairs summed into int16) then `madd` to widen: three instructions per
@@ -95,7 +101,8 @@ static inline float hmax(__m256 v) {
  * Σ (w - min)·(x - x̂), weights 0..15 · scale, ~3.6x the error variance. Measured on the same tokens as
  * llama-perplexity (36 windows of 512): SmolLM2 +0.77% over llama.cpp with the exact sum, +0.05%
  * with this one. */
-static void quantize_row(const float *x, int8_t *q, float *scale, float *sum, int32_t *qsum, int K) {
+static void quantize_row(const float *x, int8_t *q, float *scale, float *sum, int32_t *qsum, int32_t *qhalf,
+                         int K) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < K / BLOCK; b++) {
         const float *xb = x + b * BLOCK;
@@ -115,48 +122,58 @@ static void quantize_row(const float *x, int8_t *q, float *scale, float *sum, in
         _mm256_storeu_si256((__m256i *)(q + b * BLOCK), n8);
         scale[b] = d;
         /* |n| <= 127 (x / (max|x| / 127)): the packs above saturate nothing, so this is q's sum. */
-        const __m256i n32 = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
-        qsum[b] = (int32_t)hsum(_mm256_cvtepi32_ps(n32));  /* |sum| <= 4064: exact in fp32 */
+        const __m256i first = _mm256_add_epi32(n[0], n[1]);
+        qhalf[b] = (int32_t)hsum(_mm256_cvtepi32_ps(first));  /* |sum| <= 4064: exact in fp32 */
+        qsum[b] = qhalf[b] + (int32_t)hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(n[2], n[3])));
         sum[b] = d * (float)qsum[b];
     }
 }
 
+/* Sub-blocks (SUB_BLOCK(bits) k values, one block value a column) in a block of 32, and in a
+ * super-block. */
+#define SUBS_PER_BLOCK(bits) (BLOCK / SUB_BLOCK(bits))
+#define SUBS_PER_SUPER(bits) (SUPER_BLOCK / SUB_BLOCK(bits))
+
 /* Bytes of one 8-column group's block values (scales, or minimums) for K / 32 = KB blocks. */
-static inline int64_t group_value_bytes(int format, int KB) {
-    if (format == SCALES_SUPER_BLOCKS) return (int64_t)KB / 8 * SUPER_BLOCK_BYTES;
-    return (int64_t)KB * 8 * (format == SCALES_F16 ? 2 : 4);
+static inline int64_t group_value_bytes(int format, int bits, int KB) {
+    if (format == SCALES_SUPER_BLOCKS) return (int64_t)KB / 8 * SUPER_BLOCK_BYTES(bits);
+    return (int64_t)KB * SUBS_PER_BLOCK(bits) * 8 * (format == SCALES_F16 ? 2 : 4);
 }
 
-/* Super-blocks: where block kb's multiples (8 bytes, one a column) lie in the group's values at p. */
-static inline const uint8_t *multiples_at(const void *p, int kb) {
-    return (const uint8_t *)p + (int64_t)(kb / 8) * SUPER_BLOCK_BYTES + 16 + 8 * (kb % 8);
+/* Super-blocks: where sub-block sb's multiples (8 bytes, one a column) lie in the group's values at p. */
+static inline const uint8_t *multiples_at(const void *p, int sb, const int bits) {
+    return (const uint8_t *)p + (int64_t)(sb / SUBS_PER_SUPER(bits)) * SUPER_BLOCK_BYTES(bits) + 16 +
+           8 * (sb % SUBS_PER_SUPER(bits));
 }
 
 /* Super-blocks: the eight columns' fp16 factors of the super-block holding block kb, as fp32. A
  * tile loads them once a super-block, not once a block (measured 10% of the GEMM at 256 rows). */
-static inline __attribute__((always_inline)) __m256 super_factors(const void *p, int kb) {
-    const uint8_t *super = (const uint8_t *)p + (int64_t)(kb / 8) * SUPER_BLOCK_BYTES;
+static inline __attribute__((always_inline)) __m256 super_factors(const void *p, int kb, const int bits) {
+    const uint8_t *super = (const uint8_t *)p + (int64_t)(kb / 8) * SUPER_BLOCK_BYTES(bits);
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)super));
 }
 
-/* Block kb's eight values (one a column) of the group whose values start at p. Super-blocks: the
- * super-block's `factors` times the block's multiples, exact in fp32 (11 + 6 significant bits). */
-static inline __attribute__((always_inline)) __m256 load_values(const void *p, int kb, const int format,
-                                                                __m256 factors) {
-    if (format == SCALES_SUPER_BLOCKS)
-        return _mm256_mul_ps(factors, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                          _mm_loadl_epi64((const __m128i *)multiples_at(p, kb)))));
-    return format == SCALES_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + 8 * kb)))
-                                : _mm256_loadu_ps((const float *)p + 8 * kb);
+/* Sub-block sb's eight values (one a column) of the group whose values start at p. Super-blocks:
+ * the super-block's `factors` times the sub-block's multiples, exact in fp32 (11 + 8 significant
+ * bits at most). */
+static inline __attribute__((always_inline)) __m256 load_values(const void *p, int sb, const int format,
+                                                                __m256 factors, const int bits) {
+    if (format == SCALES_SUPER_BLOCKS) {
+        const __m128i multiples = _mm_loadl_epi64((const __m128i *)multiples_at(p, sb, bits));
+        return _mm256_mul_ps(factors, _mm256_cvtepi32_ps(bits == 6 ? _mm256_cvtepi8_epi32(multiples)
+                                                                   : _mm256_cvtepu8_epi32(multiples)));
+    }
+    return format == SCALES_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + 8 * sb)))
+                                : _mm256_loadu_ps((const float *)p + 8 * sb);
 }
 
 /* (acc + bias) into y, or added to y: the sum a residual add after the layer would give. */
 static inline __attribute__((always_inline)) void store_tile(
-    const __m256 *acc, const float *bias, float *y, int N, int accumulate, const int R) {
+    const __m256 *acc, const float *bias, float *y, int ldy, int accumulate, const int R) {
     for (int r = 0; r < R; r++) {
         __m256 out = bias ? _mm256_add_ps(acc[r], _mm256_loadu_ps(bias)) : acc[r];
-        if (accumulate) out = _mm256_add_ps(_mm256_loadu_ps(y + (int64_t)r * N), out);
-        _mm256_storeu_ps(y + (int64_t)r * N, out);
+        if (accumulate) out = _mm256_add_ps(_mm256_loadu_ps(y + (int64_t)r * ldy), out);
+        _mm256_storeu_ps(y + (int64_t)r * ldy, out);
     }
 }
 
@@ -170,7 +187,7 @@ static inline __m256i broadcast4(const int8_t *p) {
  * block's rounded sum) or, without minimums (wm NULL), less Q4_OFFSET · Σ x_q in int32. */
 static inline __attribute__((always_inline)) void q4_tile(
     const int8_t *xq, const float *xs, const float *xsum, const int32_t *xqsum, const uint8_t *w,
-    const void *ws, const void *wm, const float *bias, float *y, int K, int N, int accumulate, const int format,
+    const void *ws, const void *wm, const float *bias, float *y, int K, int ldy, int accumulate, const int format,
     const int R) {
     const int KB = K / BLOCK;
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -178,7 +195,7 @@ static inline __attribute__((always_inline)) void q4_tile(
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int kb = 0; kb < KB; kb++) {
         if (format == SCALES_SUPER_BLOCKS && kb % 8 == 0)
-            scale_factors = super_factors(ws, kb), min_factors = super_factors(wm, kb);
+            scale_factors = super_factors(ws, kb, 4), min_factors = super_factors(wm, kb, 4);
         const uint8_t *wp = w + (int64_t)kb * 128;
         __m256i sums[ROW_TILE];
         for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
@@ -193,8 +210,8 @@ static inline __attribute__((always_inline)) void q4_tile(
                 sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, broadcast4(xr + 4 * p + 16)));
             }
         }
-        const __m256 scale = load_values(ws, kb, format, scale_factors);
-        const __m256 min = wm ? load_values(wm, kb, format, min_factors) : _mm256_setzero_ps();
+        const __m256 scale = load_values(ws, kb, format, scale_factors, 4);
+        const __m256 min = wm ? load_values(wm, kb, format, min_factors, 4) : _mm256_setzero_ps();
         for (int r = 0; r < R; r++) {
             __m256i dot = _mm256_madd_epi16(sums[r], ones);
             if (!wm) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(Q4_OFFSET * xqsum[r * KB + kb]));
@@ -203,14 +220,14 @@ static inline __attribute__((always_inline)) void q4_tile(
             if (wm) acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(xsum[r * KB + kb]), acc[r]);
         }
     }
-    store_tile(acc, bias, y, N, accumulate, R);
+    store_tile(acc, bias, y, ldy, accumulate, R);
 }
 
 /* R rows × one 8-column group of 8-bit weights: maddubs needs one unsigned side, so |w| against
  * x carrying w's sign (the product is unchanged). */
 static inline __attribute__((always_inline)) void q8_tile(
     const int8_t *xq, const float *xs, const int8_t *w, const void *ws, const float *bias,
-    float *y, int K, int N, int accumulate, const int format, const int R) {
+    float *y, int K, int ldy, int accumulate, const int format, const int R) {
     const int KB = K / BLOCK;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[ROW_TILE];
@@ -228,12 +245,12 @@ static inline __attribute__((always_inline)) void q8_tile(
                 sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xv), ones));
             }
         }
-        const __m256 scale = load_values(ws, kb, format, _mm256_setzero_ps());
+        const __m256 scale = load_values(ws, kb, format, _mm256_setzero_ps(), 8);
         for (int r = 0; r < R; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]),
                                      _mm256_mul_ps(scale, _mm256_set1_ps(xs[r * KB + kb])), acc[r]);
     }
-    store_tile(acc, bias, y, N, accumulate, R);
+    store_tile(acc, bias, y, ldy, accumulate, R);
 }
 
 /* The fifth bits of k-group j (0..7) from a q5 block's plane, as 0x10 or 0 in each byte. */
@@ -254,7 +271,7 @@ static inline __attribute__((always_inline)) void q5_vectors(const uint8_t *wp, 
 /* R rows (<= Q4_ROW_TILE) × one 8-column group of 5-bit weights: Σ q·x, less 16 · Σ x_q. */
 static inline __attribute__((always_inline)) void q5_tile(
     const int8_t *xq, const float *xs, const int32_t *xqsum, const uint8_t *w, const void *ws,
-    const float *bias, float *y, int K, int N, int accumulate, const int format, const int R) {
+    const float *bias, float *y, int K, int ldy, int accumulate, const int format, const int R) {
     const int KB = K / BLOCK;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[ROW_TILE];
@@ -279,14 +296,77 @@ static inline __attribute__((always_inline)) void q5_tile(
             }
             for (int r = 0; r < R; r++) sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(s16[r], ones));
         }
-        const __m256 scale = load_values(ws, kb, format, _mm256_setzero_ps());
+        const __m256 scale = load_values(ws, kb, format, _mm256_setzero_ps(), 5);
         for (int r = 0; r < R; r++) {
             const __m256i dot = _mm256_sub_epi32(sums[r], _mm256_set1_epi32(16 * xqsum[r * KB + kb]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(xs[r * KB + kb])),
                                      acc[r]);
         }
     }
-    store_tile(acc, bias, y, N, accumulate, R);
+    store_tile(acc, bias, y, ldy, accumulate, R);
+}
+
+/* The high two bits of k-group j (0..3 of a plane's four) from a q6 block's plane, at bits 4-5 of each byte. */
+static inline __attribute__((always_inline)) __m256i high_pair(__m256i plane, const int j) {
+    const __m256i at_bit_4 = j < 2 ? _mm256_slli_epi16(plane, 4 - 2 * j)
+                             : j > 2 ? _mm256_srli_epi16(plane, 2 * j - 4) : plane;
+    return _mm256_and_si256(at_bit_4, _mm256_set1_epi8(0x30));
+}
+
+/* Vector p of a q6 block as two vectors of q in [0, 63]: k-group p's (the first half's) and
+ * k-group p+4's (the second's), with their planes of high bits `first` and `second`. */
+static inline __attribute__((always_inline)) void q6_vectors(const uint8_t *wp, __m256i first, __m256i second,
+                                                             const int p, __m256i *lo, __m256i *hi) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)(wp + 32 * p));
+    *lo = _mm256_or_si256(_mm256_and_si256(packed, low), high_pair(first, p));
+    *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low), high_pair(second, p));
+}
+
+/* R rows (<= Q4_ROW_TILE) × one 8-column group of 6-bit weights: for each half of a block, Σ q·x
+ * less Q6_OFFSET · Σ x_q over the half, times the half's scale. */
+static inline __attribute__((always_inline)) void q6_tile(
+    const int8_t *xq, const float *xs, const int32_t *xqsum, const int32_t *xqhalf, const uint8_t *w,
+    const void *ws, const float *bias, float *y, int K, int ldy, int accumulate, const int format, const int R) {
+    const int KB = K / BLOCK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[ROW_TILE], factors = _mm256_setzero_ps();
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int kb = 0; kb < KB; kb++) {
+        if (format == SCALES_SUPER_BLOCKS && kb % 8 == 0) factors = super_factors(ws, kb, 6);
+        const uint8_t *wp = w + (int64_t)kb * 192;
+        const __m256i first = _mm256_loadu_si256((const __m256i *)(wp + 128));
+        const __m256i second = _mm256_loadu_si256((const __m256i *)(wp + 160));
+        __m256i sums[2][ROW_TILE];  /* [half][row] */
+        for (int r = 0; r < R; r++) sums[0][r] = sums[1][r] = _mm256_setzero_si256();
+        for (int pair = 0; pair < 2; pair++) {
+            /* 63 · 127 · 2 per lane and maddubs, two of them: fits int16 (32004), then widened. */
+            __m256i s16[2][ROW_TILE];
+            for (int r = 0; r < R; r++) s16[0][r] = s16[1][r] = _mm256_setzero_si256();
+            for (int p = 2 * pair; p < 2 * pair + 2; p++) {
+                __m256i lo, hi;
+                q6_vectors(wp, first, second, p, &lo, &hi);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xr = xq + (int64_t)r * K + kb * BLOCK;
+                    s16[0][r] = _mm256_add_epi16(s16[0][r], _mm256_maddubs_epi16(lo, broadcast4(xr + 4 * p)));
+                    s16[1][r] = _mm256_add_epi16(s16[1][r], _mm256_maddubs_epi16(hi, broadcast4(xr + 4 * p + 16)));
+                }
+            }
+            for (int h = 0; h < 2; h++)
+                for (int r = 0; r < R; r++) sums[h][r] = _mm256_add_epi32(sums[h][r], _mm256_madd_epi16(s16[h][r], ones));
+        }
+        const __m256 scale[2] = {load_values(ws, 2 * kb, format, factors, 6),
+                                 load_values(ws, 2 * kb + 1, format, factors, 6)};
+        for (int r = 0; r < R; r++) {
+            const int32_t half_sums[2] = {xqhalf[r * KB + kb], xqsum[r * KB + kb] - xqhalf[r * KB + kb]};
+            const __m256 x_scale = _mm256_set1_ps(xs[r * KB + kb]);
+            for (int h = 0; h < 2; h++) {
+                const __m256i dot = _mm256_sub_epi32(sums[h][r], _mm256_set1_epi32(Q6_OFFSET * half_sums[h]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale[h], x_scale), acc[r]);
+            }
+        }
+    }
+    store_tile(acc, bias, y, ldy, accumulate, R);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -310,26 +390,29 @@ static inline __attribute__((always_inline)) __m256i load_halves(const void *a, 
 }
 
 /* Super-blocks: both groups' factors (super_factors). */
-static inline __attribute__((always_inline)) __m512 super_factor_pair(const void *p, int kb, int64_t gv) {
-    const uint8_t *first = (const uint8_t *)p + (int64_t)(kb / 8) * SUPER_BLOCK_BYTES;
+static inline __attribute__((always_inline)) __m512 super_factor_pair(const void *p, int kb, int64_t gv,
+                                                                      const int bits) {
+    const uint8_t *first = (const uint8_t *)p + (int64_t)(kb / 8) * SUPER_BLOCK_BYTES(bits);
     return _mm512_cvtph_ps(load_halves(first, first + gv));
 }
 
-/* Block kb's sixteen values: eight of the group whose values start at p, eight of the next
+/* Sub-block sb's sixteen values: eight of the group whose values start at p, eight of the next
  * group's, `gv` bytes on (load_values for two groups). */
-static inline __attribute__((always_inline)) __m512 load_value_pair(const void *p, int kb, int64_t gv,
-                                                                    const int format, __m512 factors) {
+static inline __attribute__((always_inline)) __m512 load_value_pair(const void *p, int sb, int64_t gv,
+                                                                    const int format, __m512 factors,
+                                                                    const int bits) {
     if (format == SCALES_SUPER_BLOCKS) {
-        const uint8_t *first = multiples_at(p, kb);
+        const uint8_t *first = multiples_at(p, sb, bits);
         const __m128i both = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)first),
                                                 _mm_loadl_epi64((const __m128i *)(first + gv)));
-        return _mm512_mul_ps(factors, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(both)));
+        return _mm512_mul_ps(factors, _mm512_cvtepi32_ps(bits == 6 ? _mm512_cvtepi8_epi32(both)
+                                                                   : _mm512_cvtepu8_epi32(both)));
     }
     if (format == SCALES_F16) {  /* one conversion for both */
-        const uint16_t *h = (const uint16_t *)p + 8 * kb;
+        const uint16_t *h = (const uint16_t *)p + 8 * sb;
         return _mm512_cvtph_ps(load_halves(h, (const char *)h + gv));
     }
-    const float *f = (const float *)p + 8 * kb;
+    const float *f = (const float *)p + 8 * sb;
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(f))),
                                                _mm256_castps_pd(_mm256_loadu_ps(f + gv / 4)), 1));
 }
@@ -348,11 +431,11 @@ static inline __attribute__((always_inline)) __m512i chain_sum(const __m512i *ch
 
 /* The two groups are adjacent columns of y: one 16-wide store a row. */
 static inline __attribute__((always_inline)) void store_pair(
-    const __m512 *acc, const float *bias, float *y, int N, int accumulate, const int R) {
+    const __m512 *acc, const float *bias, float *y, int ldy, int accumulate, const int R) {
     for (int r = 0; r < R; r++) {
         __m512 out = bias ? _mm512_add_ps(acc[r], _mm512_loadu_ps(bias)) : acc[r];
-        if (accumulate) out = _mm512_add_ps(_mm512_loadu_ps(y + (int64_t)r * N), out);
-        _mm512_storeu_ps(y + (int64_t)r * N, out);
+        if (accumulate) out = _mm512_add_ps(_mm512_loadu_ps(y + (int64_t)r * ldy), out);
+        _mm512_storeu_ps(y + (int64_t)r * ldy, out);
     }
 }
 
@@ -360,7 +443,7 @@ static inline __attribute__((always_inline)) void store_pair(
  * apart; the minimums, or their absence, as in q4_tile. */
 static inline __attribute__((always_inline)) void q4_tile_vnni(
     const int8_t *xq, const float *xs, const float *xsum, const int32_t *xqsum, const uint8_t *w, int64_t gw,
-    const void *ws, const void *wm, int64_t gv, const float *bias, float *y, int K, int N, int accumulate,
+    const void *ws, const void *wm, int64_t gv, const float *bias, float *y, int K, int ldy, int accumulate,
     const int format, const int R) {
     const int KB = K / BLOCK, NC = CHAINS(R);
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -368,7 +451,7 @@ static inline __attribute__((always_inline)) void q4_tile_vnni(
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int kb = 0; kb < KB; kb++) {
         if (format == SCALES_SUPER_BLOCKS && kb % 8 == 0)
-            scale_factors = super_factor_pair(ws, kb, gv), min_factors = super_factor_pair(wm, kb, gv);
+            scale_factors = super_factor_pair(ws, kb, gv, 4), min_factors = super_factor_pair(wm, kb, gv, 4);
         __m512i sums[ROW_TILE][MAX_CHAINS];
         for (int r = 0; r < R; r++)
             for (int c = 0; c < NC; c++) sums[r][c] = _mm512_setzero_si512();
@@ -384,8 +467,8 @@ static inline __attribute__((always_inline)) void q4_tile_vnni(
                 chain[(2 * p + 1) % NC] = _mm512_dpbusd_epi32(chain[(2 * p + 1) % NC], hi, broadcast4_512(xr + 16));
             }
         }
-        const __m512 scale = load_value_pair(ws, kb, gv, format, scale_factors);
-        const __m512 min = wm ? load_value_pair(wm, kb, gv, format, min_factors) : _mm512_setzero_ps();
+        const __m512 scale = load_value_pair(ws, kb, gv, format, scale_factors, 4);
+        const __m512 min = wm ? load_value_pair(wm, kb, gv, format, min_factors, 4) : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
             __m512i dot = chain_sum(sums[r], NC);
             if (!wm) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(Q4_OFFSET * xqsum[r * KB + kb]));
@@ -394,40 +477,50 @@ static inline __attribute__((always_inline)) void q4_tile_vnni(
             if (wm) acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(xsum[r * KB + kb]), acc[r]);
         }
     }
-    store_pair(acc, bias, y, N, accumulate, R);
+    store_pair(acc, bias, y, ldy, accumulate, R);
 }
 
 /* R rows × two 8-column groups of 8-bit weights (VNNI): w + 128 against x, less 128 · Σ x_q. With
- * offset 16, the weights are unpacked q5 ones (q in [0, 31], already unsigned): q against x, less
- * 16 · Σ x_q. */
+ * offset 16 or 32, the weights are unpacked q5 or q6 ones (q in [0, 31] or [0, 63], already
+ * unsigned): q against x, less the offset times Σ x_q; at 6 bits (`bits`) for each half of a block,
+ * times the half's scale. */
 static inline __attribute__((always_inline)) void q8_tile_vnni(
-    const int8_t *xq, const float *xs, const int32_t *xqsum, const void *w, int64_t gw, const void *ws,
-    int64_t gv, const float *bias, float *y, int K, int N, int accumulate, const int format, const int R,
-    const int offset) {
-    const int KB = K / BLOCK, NC = CHAINS(R);
+    const int8_t *xq, const float *xs, const int32_t *xqsum, const int32_t *xqhalf, const void *w, int64_t gw,
+    const void *ws, int64_t gv, const float *bias, float *y, int K, int ldy, int accumulate, const int format,
+    const int R, const int offset, const int bits) {
+    const int KB = K / BLOCK, halves = bits == 6;
+    /* Chains for each half of the block (halves), or for the whole block. */
+    const int NC = halves ? (CHAINS(R) > 1 ? CHAINS(R) / 2 : 1) : CHAINS(R), per_half = halves ? 4 : 8;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[ROW_TILE];
+    __m512 acc[ROW_TILE], factors = _mm512_setzero_ps();
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int kb = 0; kb < KB; kb++) {
-        __m512i sums[ROW_TILE][MAX_CHAINS];
+        if (format == SCALES_SUPER_BLOCKS && kb % 8 == 0) factors = super_factor_pair(ws, kb, gv, bits);
+        __m512i sums[ROW_TILE][2][MAX_CHAINS];  /* [row][half][chain] */
         for (int r = 0; r < R; r++)
-            for (int c = 0; c < NC; c++) sums[r][c] = _mm512_setzero_si512();
+            for (int c = 0; c < NC; c++) sums[r][0][c] = sums[r][1][c] = _mm512_setzero_si512();
         for (int v = 0; v < 8; v++) {
             const int8_t *wp = (const int8_t *)w + (int64_t)kb * 256 + 32 * v;
             __m512i wv = load_pair(wp, wp + gw);
             if (offset == 128) wv = _mm512_xor_si512(wv, flip);
             for (int r = 0; r < R; r++) {
                 const __m512i xv = broadcast4_512(xq + (int64_t)r * K + kb * BLOCK + 4 * v);
-                sums[r][v % NC] = _mm512_dpbusd_epi32(sums[r][v % NC], wv, xv);
+                __m512i *chain = &sums[r][v / per_half][v % NC];
+                *chain = _mm512_dpbusd_epi32(*chain, wv, xv);
             }
         }
-        const __m512 scale = load_value_pair(ws, kb, gv, format, _mm512_setzero_ps());
-        for (int r = 0; r < R; r++) {
-            const __m512i dot = _mm512_sub_epi32(chain_sum(sums[r], NC), _mm512_set1_epi32(offset * xqsum[r * KB + kb]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(xs[r * KB + kb])), acc[r]);
+        for (int h = 0; h <= halves; h++) {
+            const __m512 scale = load_value_pair(ws, SUBS_PER_BLOCK(bits) * kb + h, gv, format, factors, bits);
+            for (int r = 0; r < R; r++) {
+                const int32_t x_sum = !halves ? xqsum[r * KB + kb]
+                                      : h == 0 ? xqhalf[r * KB + kb] : xqsum[r * KB + kb] - xqhalf[r * KB + kb];
+                const __m512i dot = _mm512_sub_epi32(chain_sum(sums[r][h], NC), _mm512_set1_epi32(offset * x_sum));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(xs[r * KB + kb])),
+                                         acc[r]);
+            }
         }
     }
-    store_pair(acc, bias, y, N, accumulate, R);
+    store_pair(acc, bias, y, ldy, accumulate, R);
 }
 
 /* The VNNI tile for `rows` rows (at most ROW_TILE: 8 rows measured slower at 8 bits, no faster at
@@ -440,14 +533,15 @@ static inline __attribute__((always_inline)) void q8_tile_vnni(
         default: CALL(F, 4); break;              \
     }
 
-/* The unpacked q5 groups of a VNNI tile, one buffer per thread of the team, grown as needed. */
+/* The unpacked q5 or q6 groups of a VNNI tile, one buffer per thread of the team, grown as needed. */
 static __thread uint8_t *panel;
 static __thread size_t panel_bytes;
 
-/* G q5 groups' blocks unpacked to the q8 layout ([G][KB][8 vectors][32], q in [0, 31]), so the VNNI
- * tile reads them as 8-bit weights: the unpacking is paid once for every row of the chunk, not once
- * a tile of 4. NULL when out of memory (the caller takes the AVX2 tile instead). */
-static const uint8_t *unpacked_q5(const uint8_t *w, int64_t gw, int KB, int G) {
+/* G q5 or q6 groups' blocks unpacked to the q8 layout ([G][KB][8 vectors][32], q in [0, 31] or
+ * [0, 63]), so the VNNI tile reads them as 8-bit weights: the unpacking is paid once for every row
+ * of the chunk, not once a tile of 4. NULL when out of memory (the caller takes the AVX2 tile
+ * instead). */
+static const uint8_t *unpacked(const uint8_t *w, int64_t gw, int KB, int G, const int bits) {
     const size_t bytes = (size_t)G * KB * 256;
     if (bytes > panel_bytes) {
         free(panel);
@@ -457,12 +551,14 @@ static const uint8_t *unpacked_q5(const uint8_t *w, int64_t gw, int KB, int G) {
     }
     for (int g = 0; g < G; g++)
         for (int kb = 0; kb < KB; kb++) {
-            const uint8_t *wp = w + g * gw + (int64_t)kb * 160;
+            const uint8_t *wp = w + g * gw + (int64_t)kb * (bits == 5 ? 160 : 192);
             uint8_t *out = panel + ((int64_t)g * KB + kb) * 256;
-            const __m256i plane = _mm256_loadu_si256((const __m256i *)(wp + 128));
+            const __m256i first = _mm256_loadu_si256((const __m256i *)(wp + 128));
+            const __m256i second = bits == 6 ? _mm256_loadu_si256((const __m256i *)(wp + 160)) : first;
             for (int p = 0; p < 4; p++) {
                 __m256i lo, hi;
-                q5_vectors(wp, plane, p, &lo, &hi);
+                if (bits == 5) q5_vectors(wp, first, p, &lo, &hi);
+                else q6_vectors(wp, first, second, p, &lo, &hi);
                 _mm256_storeu_si256((__m256i *)(out + 32 * p), lo);
                 _mm256_storeu_si256((__m256i *)(out + 32 * (p + 4)), hi);
             }
@@ -486,7 +582,7 @@ static const uint8_t *unpacked_q5(const uint8_t *w, int64_t gw, int KB, int G) {
 int quant_linear_available(void) { return 1; }
 
 size_t quant_linear_scratch_bytes(int M, int K) {
-    return (size_t)M * K + 3 * sizeof(float) * (size_t)M * (K / BLOCK);  /* xq; xs, xsum, xqsum */
+    return (size_t)M * K + 4 * sizeof(float) * (size_t)M * (K / BLOCK);  /* xq; xs, xsum, xqsum, xqhalf */
 }
 
 /* Super-block values of G groups expanded to fp32 (their layout in that format), one buffer per
@@ -497,8 +593,9 @@ size_t quant_linear_scratch_bytes(int M, int K) {
 static __thread float *expanded;
 static __thread size_t expanded_bytes;
 
-static const float *expanded_values(const void *scale, const void *min, int64_t gv, int KB, int G) {
-    const size_t per_group = (size_t)KB * 8, bytes = 2 * G * per_group * sizeof(float);
+static const float *expanded_values(const void *scale, const void *min, int64_t gv, int KB, int G, int bits) {
+    const int subs = KB * SUBS_PER_BLOCK(bits);
+    const size_t per_group = (size_t)subs * 8, bytes = 2 * G * per_group * sizeof(float);
     if (bytes > expanded_bytes) {
         free(expanded);
         expanded = aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -511,109 +608,141 @@ static const float *expanded_values(const void *scale, const void *min, int64_t 
             const char *p = (const char *)sources[which] + g * gv;
             float *out = expanded + (which * G + g) * per_group;
             __m256 factors = _mm256_setzero_ps();
-            for (int kb = 0; kb < KB; kb++) {
-                if (kb % 8 == 0) factors = super_factors(p, kb);
-                _mm256_storeu_ps(out + 8 * kb, load_values(p, kb, SCALES_SUPER_BLOCKS, factors));
+            for (int sb = 0; sb < subs; sb++) {
+                if (sb % SUBS_PER_SUPER(bits) == 0) factors = super_factors(p, sb / SUBS_PER_BLOCK(bits), bits);
+                _mm256_storeu_ps(out + 8 * sb, load_values(p, sb, SCALES_SUPER_BLOCKS, factors, bits));
             }
         }
     return expanded;
 }
 
-/* SWITCH(F) at the layer's value format, F a compile-time constant (super-blocks: 4 bits only). */
-#define AT_FORMAT(SWITCH)                                                            \
-    {                                                                                \
-        if (format == SCALES_F16) SWITCH(SCALES_F16)                                 \
-        else if (bits == 4 && format == SCALES_SUPER_BLOCKS) SWITCH(SCALES_SUPER_BLOCKS) \
-        else SWITCH(SCALES_F32)                                                      \
+/* SWITCH(F) at the layer's value format, F a compile-time constant (super-blocks: 4 and 6 bits). */
+#define AT_FORMAT(SWITCH)                                                                          \
+    {                                                                                              \
+        if (format == SCALES_F16) SWITCH(SCALES_F16)                                               \
+        else if ((bits == 4 || bits == 6) && format == SCALES_SUPER_BLOCKS) SWITCH(SCALES_SUPER_BLOCKS) \
+        else SWITCH(SCALES_F32)                                                                    \
     }
 
-/* Rows m0..m1 of y for groups g..g+G-1 (G <= GROUP_TILE; 1 unless `vnni`). vnni: the VNNI tiles
- * (where built) for a pair of groups, else the AVX2 ones. */
-static void group_rows(const QuantLinear *layer, const int8_t *xq, const float *xs, const float *xsum,
-                       const int32_t *xqsum, float *y, int m0, int m1, int g, int G, int accumulate, int vnni) {
-    const int N = layer->out_features, K = layer->in_features, KB = K / BLOCK, bits = layer->bits;
+/* The quantised activations [M, K] of one call (layouts at the top). */
+typedef struct {
+    const int8_t *q;
+    const float *scale, *sum;
+    const int32_t *qsum, *qhalf;
+} Activations;
+
+/* Rows m0..m1 of y (rows ldy floats apart) for groups g..g+G-1 of `layer` (G <= GROUP_TILE; 1
+ * unless `vnni`). vnni: the VNNI tiles (where built) for a pair of groups, else the AVX2 ones. */
+static void group_rows(const QuantLinear *layer, const Activations *x, float *y, int ldy, int m0, int m1, int g,
+                       int G, int accumulate, int vnni) {
+    const int K = layer->in_features, KB = K / BLOCK, bits = layer->bits;
     int format = layer->scale_format;
-    int64_t gv = group_value_bytes(format, KB);
-    const int64_t gw = (int64_t)KB * (bits == 4 ? 128 : bits == 5 ? 160 : 256);  /* a group's weight bytes */
+    int64_t gv = group_value_bytes(format, bits, KB);
+    const int64_t gw = (int64_t)KB * (bits == 4 ? 128 : bits == 5 ? 160 : bits == 6 ? 192 : 256);  /* a group's weight bytes */
     const uint8_t *w = (const uint8_t *)layer->weight + g * gw;
     const void *gs = (const char *)layer->scale + g * gv;
     const void *gm = layer->min ? (const char *)layer->min + g * gv : 0;
     const float *gb = layer->bias ? layer->bias + 8 * g : 0;
 #if VNNI
     vnni = vnni && G == GROUP_TILE;  /* a lone last group (N = 8 mod 16) takes the AVX2 tile */
-    const uint8_t *unpacked = vnni && bits == 5 ? unpacked_q5(w, gw, KB, G) : NULL;
-    vnni = vnni && (bits != 5 || unpacked);
+    const uint8_t *panel = vnni && (bits == 5 || bits == 6) ? unpacked(w, gw, KB, G, bits) : NULL;
+    vnni = vnni && ((bits != 5 && bits != 6) || panel);
 #endif
     /* Super-blocks expanded where more than two tiles read them; fewer compute them in the tile. */
     if (format == SCALES_SUPER_BLOCKS && m1 - m0 > 2 * ROW_TILE) {
-        const float *values = expanded_values(gs, gm, gv, KB, G);
+        const float *values = expanded_values(gs, gm, gv, KB, G, bits);
         if (values) {
             gs = values, gm = gm ? values + (int64_t)G * KB * 8 : 0;
-            format = SCALES_F32, gv = group_value_bytes(format, KB);
+            format = SCALES_F32, gv = group_value_bytes(format, bits, KB);
         }
     }
     const int tile = vnni || bits == 8 ? ROW_TILE : Q4_ROW_TILE;
     for (int m = m0; m < m1; m += tile) {
         const int rows = m1 - m;
-        const int8_t *xm = xq + (int64_t)m * K;
-        const float *sm = xs + (int64_t)m * KB, *tm = xsum + (int64_t)m * KB;
-        const int32_t *qm = xqsum + (int64_t)m * KB;
-        float *ym = y + (int64_t)m * N + 8 * g;
+        const int8_t *xm = x->q + (int64_t)m * K;
+        const float *sm = x->scale + (int64_t)m * KB, *tm = x->sum + (int64_t)m * KB;
+        const int32_t *qm = x->qsum + (int64_t)m * KB, *hm = x->qhalf + (int64_t)m * KB;
+        float *ym = y + (int64_t)m * ldy + 8 * g;
 #if VNNI
-#define Q4V(F, R) q4_tile_vnni(xm, sm, tm, qm, w, gw, gs, gm, gv, gb, ym, K, N, accumulate, F, R)
-#define Q5V(F, R) q8_tile_vnni(xm, sm, qm, unpacked, (int64_t)KB * 256, gs, gv, gb, ym, K, N, accumulate, F, R, 16)
-#define Q8V(F, R) q8_tile_vnni(xm, sm, qm, w, gw, gs, gv, gb, ym, K, N, accumulate, F, R, 128)
+#define Q4V(F, R) q4_tile_vnni(xm, sm, tm, qm, w, gw, gs, gm, gv, gb, ym, K, ldy, accumulate, F, R)
+#define Q5V(F, R) q8_tile_vnni(xm, sm, qm, hm, panel, (int64_t)KB * 256, gs, gv, gb, ym, K, ldy, accumulate, F, R, 16, 5)
+#define Q6V(F, R) q8_tile_vnni(xm, sm, qm, hm, panel, (int64_t)KB * 256, gs, gv, gb, ym, K, ldy, accumulate, F, R, \
+                               Q6_OFFSET, 6)
+#define Q8V(F, R) q8_tile_vnni(xm, sm, qm, hm, w, gw, gs, gv, gb, ym, K, ldy, accumulate, F, R, 128, 8)
 #define Q4V_AT(F) VNNI_SWITCH(Q4V, F)
 #define Q5V_AT(F) VNNI_SWITCH(Q5V, F)
+#define Q6V_AT(F) VNNI_SWITCH(Q6V, F)
 #define Q8V_AT(F) VNNI_SWITCH(Q8V, F)
         if (vnni) {
-            if (bits == 4) AT_FORMAT(Q4V_AT) else if (bits == 5) AT_FORMAT(Q5V_AT) else AT_FORMAT(Q8V_AT)
+            if (bits == 4) AT_FORMAT(Q4V_AT)
+            else if (bits == 5) AT_FORMAT(Q5V_AT)
+            else if (bits == 6) AT_FORMAT(Q6V_AT)
+            else AT_FORMAT(Q8V_AT)
             continue;
         }
 #endif
-#define Q4(F, R) q4_tile(xm, sm, tm, qm, w, gs, gm, gb, ym, K, N, accumulate, F, R)
-#define Q5(F, R) q5_tile(xm, sm, qm, w, gs, gb, ym, K, N, accumulate, F, R)
-#define Q8(F, R) q8_tile(xm, sm, (const int8_t *)w, gs, gb, ym, K, N, accumulate, F, R)
+#define Q4(F, R) q4_tile(xm, sm, tm, qm, w, gs, gm, gb, ym, K, ldy, accumulate, F, R)
+#define Q5(F, R) q5_tile(xm, sm, qm, w, gs, gb, ym, K, ldy, accumulate, F, R)
+#define Q6(F, R) q6_tile(xm, sm, qm, hm, w, gs, gb, ym, K, ldy, accumulate, F, R)
+#define Q8(F, R) q8_tile(xm, sm, (const int8_t *)w, gs, gb, ym, K, ldy, accumulate, F, R)
 #define Q4_AT(F) TILE_SWITCH(Q4, Q4_ROW_TILE, F)
 #define Q5_AT(F) TILE_SWITCH(Q5, Q4_ROW_TILE, F)
+#define Q6_AT(F) TILE_SWITCH(Q6, Q4_ROW_TILE, F)
 #define Q8_AT(F) TILE_SWITCH(Q8, ROW_TILE, F)
-        if (bits == 4) AT_FORMAT(Q4_AT) else if (bits == 5) AT_FORMAT(Q5_AT) else AT_FORMAT(Q8_AT)
+        if (bits == 4) AT_FORMAT(Q4_AT)
+        else if (bits == 5) AT_FORMAT(Q5_AT)
+        else if (bits == 6) AT_FORMAT(Q6_AT)
+        else AT_FORMAT(Q8_AT)
     }
+}
+
+/* A part's tiles: pairs of groups on the VNNI path, groups on the AVX2 one. */
+static inline int part_tiles(const QuantLinear *part, int group_tile) {
+    return (part->out_features / 8 + group_tile - 1) / group_tile;
 }
 
 void quant_linear_team(const QuantLinear *layer, const float *x, float *y, int M, int accumulate,
                        int8_t *xq) {
-    const int N = layer->out_features, K = layer->in_features, KB = K / BLOCK, groups = N / 8;
+    const int K = layer->in_features, KB = K / BLOCK;
+    int N = 0;  /* y's width: every part's columns */
+    for (const QuantLinear *part = layer; part; part = part->next) N += part->out_features;
     float *xs = (float *)(xq + (size_t)M * K), *xsum = xs + (size_t)M * KB;  /* K % 32 == 0: aligned */
-    int32_t *xqsum = (int32_t *)(xsum + (size_t)M * KB);
+    int32_t *xqsum = (int32_t *)(xsum + (size_t)M * KB), *xqhalf = xqsum + (size_t)M * KB;
 #pragma omp for schedule(static)
     for (int m = 0; m < M; m++)
         quantize_row(x + (int64_t)m * K, xq + (int64_t)m * K, xs + (int64_t)m * KB, xsum + (int64_t)m * KB,
-                     xqsum + (int64_t)m * KB, K);
+                     xqsum + (int64_t)m * KB, xqhalf + (int64_t)m * KB, K);
+    const Activations activations = {xq, xs, xsum, xqsum, xqhalf};
     /* One row (a decode at batch 1) streams the weights through the AVX2 tile, one group at a time:
      * measured as fast or faster there (VNNI's gain is a weight load shared by rows, and it has one). */
     const int vnni = VNNI && M > 1, group_tile = vnni ? GROUP_TILE : 1;
-    const int tiles = (groups + group_tile - 1) / group_tile;
+    int tiles = 0;  /* every part's, shared out in one loop */
+    for (const QuantLinear *part = layer; part; part = part->next) tiles += part_tiles(part, group_tile);
     const int fit = CHUNK_BYTES / K / ROW_TILE * ROW_TILE;
     const int chunk = fit < MIN_ROW_CHUNK ? MIN_ROW_CHUNK : fit > MAX_ROW_CHUNK ? MAX_ROW_CHUNK : fit;
     for (int m0 = 0; m0 < M; m0 += chunk) {
         const int m1 = m0 + chunk < M ? m0 + chunk : M;
 #pragma omp for schedule(static)
         for (int t = 0; t < tiles; t++) {
-            const int g = t * group_tile;
-            group_rows(layer, xq, xs, xsum, xqsum, y, m0, m1, g, groups - g < group_tile ? groups - g : group_tile,
+            const QuantLinear *part = layer;
+            int first = 0, column = 0;  /* the part's first tile and first column */
+            while (t >= first + part_tiles(part, group_tile))
+                first += part_tiles(part, group_tile), column += part->out_features, part = part->next;
+            const int g = (t - first) * group_tile, groups = part->out_features / 8;
+            group_rows(part, &activations, y + column, N, m0, m1, g, groups - g < group_tile ? groups - g : group_tile,
                        accumulate, vnni);
         }
     }
 }
 
-/* Block b's value for column col of the group whose values start at p (load_values, one lane). */
-static inline float block_value(const void *p, int b, int col, int format) {
+/* Sub-block sb's value for column col of the group whose values start at p (load_values, one lane). */
+static inline float block_value(const void *p, int sb, int col, int format, int bits) {
     if (format == SCALES_SUPER_BLOCKS) {
-        const uint8_t *super = (const uint8_t *)p + (int64_t)(b / 8) * SUPER_BLOCK_BYTES;
-        return _cvtsh_ss(((const uint16_t *)super)[col]) * (float)super[16 + 8 * (b % 8) + col];
+        const uint8_t *super = (const uint8_t *)p + (int64_t)(sb / SUBS_PER_SUPER(bits)) * SUPER_BLOCK_BYTES(bits);
+        const uint8_t multiple = multiples_at(p, sb, bits)[col];
+        return _cvtsh_ss(((const uint16_t *)super)[col]) * (bits == 6 ? (float)(int8_t)multiple : (float)multiple);
     }
-    return format == SCALES_F16 ? _cvtsh_ss(((const uint16_t *)p)[8 * b + col]) : ((const float *)p)[8 * b + col];
+    return format == SCALES_F16 ? _cvtsh_ss(((const uint16_t *)p)[8 * sb + col]) : ((const float *)p)[8 * sb + col];
 }
 
 /* One weight's integer value: row `col` of its group of 8, k-group kg (of 8) and k j (of 4) in block
@@ -622,10 +751,11 @@ static inline int block_q(const QuantLinear *w, int64_t group, int b, int col, i
     const int KB = w->in_features / BLOCK;
     if (w->bits == 8)
         return ((const int8_t *)w->weight)[(((group * KB + b) * 8 + kg) * 8 + col) * 4 + j];
-    const uint8_t *block = (const uint8_t *)w->weight + (group * KB + b) * (w->bits == 4 ? 128 : 160);
+    const uint8_t *block = (const uint8_t *)w->weight + (group * KB + b) * (w->bits == 4 ? 128 : w->bits == 5 ? 160 : 192);
     const uint8_t byte = block[((kg % 4) * 8 + col) * 4 + j];
     const int low = kg < 4 ? byte & 15 : byte >> 4;
     if (w->bits == 4) return w->min ? low : low - Q4_OFFSET;
+    if (w->bits == 6) return (low | ((block[128 + 32 * (kg / 4) + col * 4 + j] >> (2 * (kg % 4))) & 3) << 4) - Q6_OFFSET;
     return (low | ((block[128 + col * 4 + j] >> kg) & 1) << 4) - 16;
 }
 
@@ -641,12 +771,16 @@ int quant_rows(const QuantLinear *w, const int64_t *ids, int n, float *out) {
         const int64_t group = ids[t] / 8;
         const int col = (int)(ids[t] % 8);
         float *row = out + (int64_t)t * K;
-        const int64_t gv = group_value_bytes(w->scale_format, KB);
+        const int64_t gv = group_value_bytes(w->scale_format, w->bits, KB);
+        const int sub = SUB_BLOCK(w->bits);
+        for (int sb = 0; sb < K / sub; sb++) {
+            const float scale = block_value((const char *)w->scale + group * gv, sb, col, w->scale_format, w->bits);
+            for (int k = sb * sub; k < (sb + 1) * sub; k++)
+                row[k] = (float)block_q(w, group, k / BLOCK, col, k % BLOCK / 4, k % 4) * scale;
+        }
+        if (w->min == NULL) continue;
         for (int b = 0; b < KB; b++) {
-            const float scale = block_value((const char *)w->scale + group * gv, b, col, w->scale_format);
-            for (int k = 0; k < BLOCK; k++) row[b * BLOCK + k] = (float)block_q(w, group, b, col, k / 4, k % 4) * scale;
-            if (w->min == NULL) continue;
-            const float min = block_value((const char *)w->min + group * gv, b, col, w->scale_format);
+            const float min = block_value((const char *)w->min + group * gv, b, col, w->scale_format, w->bits);
             for (int k = 0; k < BLOCK; k++) {
                 volatile float product = row[b * BLOCK + k];
                 row[b * BLOCK + k] = product + min;
@@ -656,21 +790,27 @@ int quant_rows(const QuantLinear *w, const int64_t *ids, int n, float *out) {
     return 0;
 }
 
-/* bits: 4, 5 or 8 (wm used for 4 only, where NULL means none: value = scale · (q - Q4_OFFSET));
- * scale_format: how ws and wm hold their values (team.h). Returns 0, -1 when N is not a multiple
- * of 8, K of 32, bits none of those, or the format not one for these bits, K and wm, -3 when out
- * of memory. */
-int quant_linear(int bits, int scale_format, const float *x, const void *w, const void *ws, const void *wm,
-                 const float *bias, float *y, int M, int N, int K, int num_threads) {
-    if (N % 8 != 0 || K % BLOCK != 0 || (bits != 4 && bits != 5 && bits != 8)) return -1;
-    if (scale_format != SCALES_F32 && scale_format != SCALES_F16 &&
-        (scale_format != SCALES_SUPER_BLOCKS || bits != 4 || K % SUPER_BLOCK != 0 || !wm))
-        return -1;
-    int8_t *xq = thread_scratch(quant_linear_scratch_bytes(M, K));
+/* Whether the kernel runs this part: N a multiple of 8, K of 32, bits 4, 5, 6 or 8, and a value
+ * format for these bits, K and min. */
+static int runs(const QuantLinear *part) {
+    const int bits = part->bits, format = part->scale_format;
+    if (part->out_features % 8 != 0 || part->in_features % BLOCK != 0) return 0;
+    if (bits != 4 && bits != 5 && bits != 6 && bits != 8) return 0;
+    if (part->min && bits != 4) return 0;
+    if (format == SCALES_F32 || format == SCALES_F16) return 1;
+    return format == SCALES_SUPER_BLOCKS && part->in_features % SUPER_BLOCK == 0 &&
+           (bits == 6 || (bits == 4 && part->min));
+}
+
+/* y = x · Wᵀ + bias for the layer and the parts chained to it (team.h). Returns 0, -1 when a part is
+ * not one the kernel runs or the parts' in_features differ, -3 when out of memory. */
+int quant_linear(const QuantLinear *layer, const float *x, float *y, int M, int num_threads) {
+    for (const QuantLinear *part = layer; part; part = part->next)
+        if (!runs(part) || part->in_features != layer->in_features) return -1;
+    int8_t *xq = thread_scratch(quant_linear_scratch_bytes(M, layer->in_features));
     if (!xq) return -3;
-    const QuantLinear layer = {bits, N, K, scale_format, w, ws, bits == 4 ? wm : NULL, bias};
 #pragma omp parallel num_threads(num_threads)
-    quant_linear_team(&layer, x, y, M, 0, xq);
+    quant_linear_team(layer, x, y, M, 0, xq);
     return 0;
 }
 
@@ -683,10 +823,7 @@ size_t quant_linear_scratch_bytes(int M, int K) { return 0; }
 void quant_linear_team(const QuantLinear *layer, const float *x, float *y, int M, int accumulate,
                        int8_t *xq) {}
 
-int quant_linear(int bits, int scale_format, const float *x, const void *w, const void *ws, const void *wm,
-                 const float *bias, float *y, int M, int N, int K, int num_threads) {
-    return -2;
-}
+int quant_linear(const QuantLinear *layer, const float *x, float *y, int M, int num_threads) { return -2; }
 
 int quant_rows(const QuantLinear *w, const int64_t *ids, int n, float *out) { return -2; }
 #endif

@@ -13,19 +13,28 @@
 /* How a quantised layer's block scales and minimums are held (layouts in quant_gemm.c). */
 enum { SCALES_F32 = 0, SCALES_F16 = 1, SCALES_SUPER_BLOCKS = 2 };
 #define SUPER_BLOCK 256 /* SCALES_SUPER_BLOCKS: k values a super-block's factor covers */
-#define SUPER_BLOCK_BYTES 80  /* SCALES_SUPER_BLOCKS: 8 fp16 factors, then 8 blocks × 8 u8 ones */
+/* k values one block value covers: 6-bit layers (Q6_K's) have a scale per half block of 16 */
+#define SUB_BLOCK(bits) ((bits) == 6 ? 16 : 32)
+/* SCALES_SUPER_BLOCKS, per 8-column group: 8 fp16 factors, then a multiple for each of the
+ * super-block's sub-blocks × 8 columns (u8 at 4 bits, int8 at 6): 80 bytes, or 144 */
+#define SUPER_BLOCK_BYTES(bits) (16 + 8 * (SUPER_BLOCK / SUB_BLOCK(bits)))
 #define Q4_OFFSET 8  /* a 4-bit layer without minimums (Q4_0's): value = scale · (q - 8) */
+#define Q6_OFFSET 32 /* 6 bits (Q6_K's): value = scale · (q - 32), q in [0, 63] */
 
 /* A linear layer with quantised weights (layouts in quant_gemm.c): scale and min as scale_format
- * says; min is NULL at 5 and 8 bits and for 4-bit blocks without minimums (Q4_0's), bias NULL
- * when there is none. */
-typedef struct {
+ * says; min is NULL at 5, 6 and 8 bits and for 4-bit blocks without minimums (Q4_0's), bias NULL
+ * when there is none. `next`: a part stacked after this one along N, in a format of its own (a
+ * fused q/k/v whose v is Q6_K and q, k Q4_K), its outputs the columns after this one's; NULL for
+ * none. */
+typedef struct QuantLinear {
     int bits, out_features, in_features, scale_format;
     const void *weight, *scale, *min;
     const float *bias;
+    const struct QuantLinear *next;
 } QuantLinear;
 
-/* y = x · Wᵀ + bias for x [M, K]; accumulate: y += x · Wᵀ + bias instead. `scratch` holds
+/* y = x · Wᵀ + bias for x [M, K], y [M, every part's out_features]; accumulate: y += x · Wᵀ + bias
+ * instead. `scratch` holds
  * quant_linear_scratch_bytes(M, K) bytes, shared by the team. */
 void quant_linear_team(const QuantLinear *layer, const float *x, float *y, int M, int accumulate,
                        int8_t *scratch);
