@@ -49,11 +49,10 @@ def test_gemma3_sliding_layers(gemma3_gguf_path: Path) -> None:
     assert (info.family, info.model_type, info.architecture) == ("gemma3", "gemma3_text", "Gemma3ForCausalLM")
     assert (info.sliding_window, info.sliding_window_layers, info.layers) == (512, 15, 18)
     assert info.runs
-    # Q4_K_M: Q4_K in 4 bits, Q5_0 in 5, Q8_0 in 8, only the 9 Q6_K down_proj requantised; the 9
-    # layers whose v_proj is Q8_0 have their Q5_0 q and k fused with it at 8 bits (exactly).
-    assert info.held_as == {"F32": 109, "5-bit blocks, as in the file": 63, "4-bit blocks, as in the file": 27,
-                            "8-bit blocks (widened exactly from Q5_0)": 18, "8-bit blocks, as in the file": 10,
-                            "8-bit blocks (requantised from Q6_K)": 9}
+    # Q4_K_M: Q4_K in 4 bits, Q5_0 in 5, Q6_K in 6 (the 9 down_proj), Q8_0 in 8, nothing requantised;
+    # the 9 layers whose v_proj is Q8_0 keep their Q5_0 q and k beside it (a layer of two parts).
+    assert info.held_as == {"F32": 109, "5-bit blocks, as in the file": 81, "4-bit blocks, as in the file": 27,
+                            "8-bit blocks, as in the file": 10, "6-bit blocks, as in the file": 9}
 
 
 def _save(folder: Path, model_class: str, config_class: str, **settings: Any) -> int:

@@ -162,20 +162,18 @@ def _k_quant_like(bits: int, n: int, k: int, seed: int) -> Quantized:
 
 @needs_kernel
 @pytest.mark.parametrize("isa", ["native", "avx2"])
-@pytest.mark.parametrize("bits", [4, 6])
-def test_k_quant_factors_compute_what_their_fp32_products_do(isa: str, bits: int) -> None:
-    """Q4_K's and Q6_K's block values read as the file's factors (Q4_K's 4.625 bits a weight) give
-    the same bits out as the same values in fp32 (6 bits): each product is exact in fp32. Up to 8
-    rows the tiles compute the products, past that they are expanded to fp32 once per chunk; n = 40
-    has a lone last group (the AVX2 tile on a VNNI CPU); 300 rows cross a 256-row chunk."""
+def test_q4_k_factors_compute_what_their_fp32_products_do(isa: str) -> None:
+    """Q4_K's block values read as the file's factors (4.625 bits a weight) give the same bits out
+    as the same values in fp32 (6 bits): each product is exact in fp32. Up to 8 rows the tiles
+    compute the products, past that they are expanded to fp32 once per chunk; n = 40 has a lone last
+    group (the AVX2 tile on a VNNI CPU); 300 rows cross a 256-row chunk."""
     torch.manual_seed(4)
-    w = _k_quant_like(bits, 40, 512, 0)
+    w = _k_quant_like(4, 40, 512, 0)
     assert not torch.equal(w.scale.half().float(), w.scale)  # fp16 would not hold them
     factored, plain = QuantizedLinear(w), QuantizedLinear(dataclasses.replace(w, factors=None))
     assert (factored.scale_format, plain.scale_format) == (ScaleFormat.SUPER_BLOCKS, ScaleFormat.F32)
-    subs = SUPER_BLOCK // w.sub_block  # per group and super-block: 8 fp16 factors, then a byte a sub-block and column
-    assert factored.scale.nbytes == 40 // 8 * 512 // SUPER_BLOCK * (16 + 8 * subs)
-    assert plain.scale.nbytes == 40 * 512 // w.sub_block * 4
+    # per group and super-block: 8 fp16 factors, then a byte a block and column, where fp32 takes 4
+    assert factored.scale.nbytes == 40 // 8 * 512 // SUPER_BLOCK * (16 + 8 * 8) == plain.scale.nbytes * 1.25 / 4
     for m in (1, 2, 3, 4, 7, 37, 300):
         x = torch.randn(m, 512) * 3
         for bias in (None, torch.randn(40)):
@@ -185,6 +183,33 @@ def test_k_quant_factors_compute_what_their_fp32_products_do(isa: str, bits: int
             assert torch.equal(got, want), (m, bias is None)
     ids = torch.tensor([0, 39, 17, 8])
     assert torch.equal(QuantizedEmbedding(factored)(ids), w.dequantize()[ids])
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_q6_k_factors_sum_each_block_exactly_at_any_batch_size(isa: str) -> None:
+    """Q6_K's half-block scales are the file's fp16 factor times an int8 (6.5625 bits a weight):
+    the kernel sums the halves' integer dot products times their multiples in int32, exactly, then
+    converts once, so it is the integer reference up to fp32 rounding, and a row comes out the same
+    bits alone (the one-row tile), among a few, or in a chunk of 256 (the VNNI tiles); n = 40 has a
+    lone last group, 300 rows cross a chunk."""
+    torch.manual_seed(4)
+    w = _k_quant_like(6, 40, 512, 0)
+    layer = QuantizedLinear(w, torch.randn(40))
+    assert layer.scale_format == ScaleFormat.SUPER_BLOCKS
+    # per group and super-block: 8 fp16 factors, then a byte a half block and column
+    assert layer.scale.nbytes == 40 // 8 * 512 // SUPER_BLOCK * (16 + 8 * 16)
+    x = torch.randn(300, 512) * 3
+    x[5, :32] = 0.0  # an all-zero block
+    run = layer if isa == "native" else (lambda rows: _run(_avx2_kernels(), layer, rows))
+    everything = run(x)
+    want = _integer_reference(x, w, layer.bias)
+    assert (everything.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    for m in (1, 2, 3, 4, 7, 37):
+        assert torch.equal(run(x[:m]), everything[:m]), m
+    assert torch.equal(run(x[7:8]), everything[7:8])
+    ids = torch.tensor([0, 39, 17, 8])
+    assert torch.equal(QuantizedEmbedding(QuantizedLinear(w))(ids), w.dequantize()[ids])
 
 
 @pytest.mark.parametrize("bits", [4, 6])

@@ -19,7 +19,10 @@
  *       two bits: bits 2j, 2j+1 of byte i of the first plane are k-group j's (j < 4), of the second
  *       k-group 4 + j's;  value = scale · (q - Q6_OFFSET),  q in [0, 63], with a scale for each
  *       half of the block (k-groups 0-3, 4-7: low nibbles, high ones) (llama.cpp's Q6_K: 6.5625 bits
- *       a weight where the 8-bit blocks it was requantised to took 9)
+ *       a weight where the 8-bit blocks it was requantised to took 9). With Q6_K's factors, each
+ *       half's int32 dot (less 32 · the half's Σ x_q) times its int8 multiple is summed in int32,
+ *       exactly, and converted once a block; the same in every tile, so a row gets the same bits
+ *       at any batch size
  *   scale, min: fp32 or fp16 [N/8][K/32][8 cols], at 6 bits [N/8][K/16][8 cols] (fp16 where that holds them exactly: a GGUF's
  *               blocks carry fp16 ones, and 4 bytes fewer per block is 17% less to read at 4 bits),
  *               or, for 4 and 6 bits, the k-quants' factors (SCALES_SUPER_BLOCKS: llama.cpp's Q4_K
@@ -165,6 +168,11 @@ static inline __attribute__((always_inline)) __m256 load_values(const void *p, i
     }
     return format == SCALES_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + 8 * sb)))
                                 : _mm256_loadu_ps((const float *)p + 8 * sb);
+}
+
+/* Super-blocks at 6 bits: sub-block sb's eight int8 multiples (one a column), as int32. */
+static inline __attribute__((always_inline)) __m256i load_multiples(const void *p, int sb) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)multiples_at(p, sb, 6)));
 }
 
 /* (acc + bias) into y, or added to y: the sum a residual add after the layer would give. */
@@ -329,7 +337,6 @@ static inline __attribute__((always_inline)) void q6_tile(
     const int8_t *xq, const float *xs, const int32_t *xqsum, const int32_t *xqhalf, const uint8_t *w,
     const void *ws, const float *bias, float *y, int K, int ldy, int accumulate, const int format, const int R) {
     const int KB = K / BLOCK;
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[ROW_TILE], factors = _mm256_setzero_ps();
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int kb = 0; kb < KB; kb++) {
@@ -339,6 +346,20 @@ static inline __attribute__((always_inline)) void q6_tile(
         const __m256i second = _mm256_loadu_si256((const __m256i *)(wp + 160));
         __m256i sums[2][ROW_TILE];  /* [half][row] */
         for (int r = 0; r < R; r++) sums[0][r] = sums[1][r] = _mm256_setzero_si256();
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        /* One row's tile on a VNNI CPU (a batch-1 step): 256-bit vpdpbusd sums into int32 lanes,
+         * where maddubs, its add and the widening madd took three instructions. */
+        for (int p = 0; p < 4; p++) {
+            __m256i lo, hi;
+            q6_vectors(wp, first, second, p, &lo, &hi);
+            for (int r = 0; r < R; r++) {
+                const int8_t *xr = xq + (int64_t)r * K + kb * BLOCK;
+                sums[0][r] = _mm256_dpbusd_epi32(sums[0][r], lo, broadcast4(xr + 4 * p));
+                sums[1][r] = _mm256_dpbusd_epi32(sums[1][r], hi, broadcast4(xr + 4 * p + 16));
+            }
+        }
+#else
+        const __m256i ones = _mm256_set1_epi16(1);
         for (int pair = 0; pair < 2; pair++) {
             /* 63 · 127 · 2 per lane and maddubs, two of them: fits int16 (32004), then widened. */
             __m256i s16[2][ROW_TILE];
@@ -355,15 +376,31 @@ static inline __attribute__((always_inline)) void q6_tile(
             for (int h = 0; h < 2; h++)
                 for (int r = 0; r < R; r++) sums[h][r] = _mm256_add_epi32(sums[h][r], _mm256_madd_epi16(s16[h][r], ones));
         }
+#endif
+        for (int r = 0; r < R; r++) {
+            const int32_t half_sums[2] = {xqhalf[r * KB + kb], xqsum[r * KB + kb] - xqhalf[r * KB + kb]};
+            for (int h = 0; h < 2; h++)
+                sums[h][r] = _mm256_sub_epi32(sums[h][r], _mm256_set1_epi32(Q6_OFFSET * half_sums[h]));
+        }
+        if (format == SCALES_SUPER_BLOCKS) {
+            /* A half's scale is the super-block's factor times an int8: the halves' dot products
+             * (|dot| < 2^16) times their multiples (<= 128) sum in int32 exactly, and convert to
+             * fp32 exactly (< 2^24), then the factor: one conversion and product a block, not two. */
+            const __m256i multiples[2] = {load_multiples(ws, 2 * kb), load_multiples(ws, 2 * kb + 1)};
+            for (int r = 0; r < R; r++) {
+                const __m256i block = _mm256_add_epi32(_mm256_mullo_epi32(sums[0][r], multiples[0]),
+                                                       _mm256_mullo_epi32(sums[1][r], multiples[1]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block), _mm256_mul_ps(factors, _mm256_set1_ps(xs[r * KB + kb])),
+                                         acc[r]);
+            }
+            continue;
+        }
         const __m256 scale[2] = {load_values(ws, 2 * kb, format, factors, 6),
                                  load_values(ws, 2 * kb + 1, format, factors, 6)};
         for (int r = 0; r < R; r++) {
-            const int32_t half_sums[2] = {xqhalf[r * KB + kb], xqsum[r * KB + kb] - xqhalf[r * KB + kb]};
             const __m256 x_scale = _mm256_set1_ps(xs[r * KB + kb]);
-            for (int h = 0; h < 2; h++) {
-                const __m256i dot = _mm256_sub_epi32(sums[h][r], _mm256_set1_epi32(Q6_OFFSET * half_sums[h]));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale[h], x_scale), acc[r]);
-            }
+            for (int h = 0; h < 2; h++)
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[h][r]), _mm256_mul_ps(scale[h], x_scale), acc[r]);
         }
     }
     store_tile(acc, bias, y, ldy, accumulate, R);
@@ -415,6 +452,14 @@ static inline __attribute__((always_inline)) __m512 load_value_pair(const void *
     const float *f = (const float *)p + 8 * sb;
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(f))),
                                                _mm256_castps_pd(_mm256_loadu_ps(f + gv / 4)), 1));
+}
+
+/* Super-blocks at 6 bits: sub-block sb's sixteen int8 multiples, eight of the group at p and eight
+ * of the next one's, `gv` bytes on (load_multiples for two groups). */
+static inline __attribute__((always_inline)) __m512i multiple_pair(const void *p, int sb, int64_t gv) {
+    const uint8_t *first = multiples_at(p, sb, 6);
+    return _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)first),
+                                                   _mm_loadl_epi64((const __m128i *)(first + gv))));
 }
 
 static inline __attribute__((always_inline)) __m512i broadcast4_512(const int8_t *p) {
@@ -509,15 +554,28 @@ static inline __attribute__((always_inline)) void q8_tile_vnni(
                 *chain = _mm512_dpbusd_epi32(*chain, wv, xv);
             }
         }
-        for (int h = 0; h <= halves; h++) {
-            const __m512 scale = load_value_pair(ws, SUBS_PER_BLOCK(bits) * kb + h, gv, format, factors, bits);
+        __m512i dots[ROW_TILE][2];
+        for (int h = 0; h <= halves; h++)
             for (int r = 0; r < R; r++) {
                 const int32_t x_sum = !halves ? xqsum[r * KB + kb]
                                       : h == 0 ? xqhalf[r * KB + kb] : xqsum[r * KB + kb] - xqhalf[r * KB + kb];
-                const __m512i dot = _mm512_sub_epi32(chain_sum(sums[r][h], NC), _mm512_set1_epi32(offset * x_sum));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(xs[r * KB + kb])),
+                dots[r][h] = _mm512_sub_epi32(chain_sum(sums[r][h], NC), _mm512_set1_epi32(offset * x_sum));
+            }
+        if (halves && format == SCALES_SUPER_BLOCKS) {  /* as q6_tile: the halves summed in int32 */
+            const __m512i multiples[2] = {multiple_pair(ws, 2 * kb, gv), multiple_pair(ws, 2 * kb + 1, gv)};
+            for (int r = 0; r < R; r++) {
+                const __m512i block = _mm512_add_epi32(_mm512_mullo_epi32(dots[r][0], multiples[0]),
+                                                       _mm512_mullo_epi32(dots[r][1], multiples[1]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block), _mm512_mul_ps(factors, _mm512_set1_ps(xs[r * KB + kb])),
                                          acc[r]);
             }
+            continue;
+        }
+        for (int h = 0; h <= halves; h++) {
+            const __m512 scale = load_value_pair(ws, SUBS_PER_BLOCK(bits) * kb + h, gv, format, factors, bits);
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r][h]), _mm512_mul_ps(scale, _mm512_set1_ps(xs[r * KB + kb])),
+                                         acc[r]);
         }
     }
     store_pair(acc, bias, y, ldy, accumulate, R);
@@ -537,32 +595,53 @@ static inline __attribute__((always_inline)) void q8_tile_vnni(
 static __thread uint8_t *panel;
 static __thread size_t panel_bytes;
 
-/* G q5 or q6 groups' blocks unpacked to the q8 layout ([G][KB][8 vectors][32], q in [0, 31] or
- * [0, 63]), so the VNNI tile reads them as 8-bit weights: the unpacking is paid once for every row
- * of the chunk, not once a tile of 4. NULL when out of memory (the caller takes the AVX2 tile
- * instead). */
-static const uint8_t *unpacked(const uint8_t *w, int64_t gw, int KB, int G, const int bits) {
-    const size_t bytes = (size_t)G * KB * 256;
+/* fifth_bits and high_pair for a pair of groups' vectors side by side. */
+static inline __attribute__((always_inline)) __m512i fifth_bit_pair(__m512i plane, const int j) {
+    const __m512i at_bit_4 = j < 4 ? _mm512_slli_epi16(plane, 4 - j) : j > 4 ? _mm512_srli_epi16(plane, j - 4) : plane;
+    return _mm512_and_si512(at_bit_4, _mm512_set1_epi8(0x10));
+}
+
+static inline __attribute__((always_inline)) __m512i high_pair_pair(__m512i plane, const int j) {
+    const __m512i at_bit_4 = j < 2 ? _mm512_slli_epi16(plane, 4 - 2 * j)
+                             : j > 2 ? _mm512_srli_epi16(plane, 2 * j - 4) : plane;
+    return _mm512_and_si512(at_bit_4, _mm512_set1_epi8(0x30));
+}
+
+/* A pair of q5 or q6 groups' blocks unpacked to the q8 layout ([2][KB][8 vectors][32], q in
+ * [0, 31] or [0, 63]), so the VNNI tile reads them as 8-bit weights: the unpacking is paid once
+ * for every row of the chunk, not once a tile of 4, in 512-bit operations (both groups at once).
+ * NULL when out of memory (the caller takes the AVX2 tile instead). */
+static const uint8_t *unpacked_pair(const uint8_t *w, int64_t gw, int KB, const int bits) {
+    const size_t bytes = (size_t)2 * KB * 256;
     if (bytes > panel_bytes) {
         free(panel);
         panel = aligned_alloc(64, (bytes + 63) / 64 * 64);
         panel_bytes = panel ? bytes : 0;
         if (!panel) return NULL;
     }
-    for (int g = 0; g < G; g++)
-        for (int kb = 0; kb < KB; kb++) {
-            const uint8_t *wp = w + g * gw + (int64_t)kb * (bits == 5 ? 160 : 192);
-            uint8_t *out = panel + ((int64_t)g * KB + kb) * 256;
-            const __m256i first = _mm256_loadu_si256((const __m256i *)(wp + 128));
-            const __m256i second = bits == 6 ? _mm256_loadu_si256((const __m256i *)(wp + 160)) : first;
-            for (int p = 0; p < 4; p++) {
-                __m256i lo, hi;
-                if (bits == 5) q5_vectors(wp, first, p, &lo, &hi);
-                else q6_vectors(wp, first, second, p, &lo, &hi);
-                _mm256_storeu_si256((__m256i *)(out + 32 * p), lo);
-                _mm256_storeu_si256((__m256i *)(out + 32 * (p + 4)), hi);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int kb = 0; kb < KB; kb++) {
+        const uint8_t *wp = w + (int64_t)kb * (bits == 5 ? 160 : 192);
+        uint8_t *out[2] = {panel + (int64_t)kb * 256, panel + ((int64_t)KB + kb) * 256};
+        const __m512i first = load_pair(wp + 128, wp + gw + 128);
+        const __m512i second = bits == 6 ? load_pair(wp + 160, wp + gw + 160) : first;
+        for (int p = 0; p < 4; p++) {
+            const __m512i packed = load_pair(wp + 32 * p, wp + gw + 32 * p);
+            __m512i lo = _mm512_and_si512(packed, low), hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            if (bits == 5) {
+                lo = _mm512_or_si512(lo, fifth_bit_pair(first, p));
+                hi = _mm512_or_si512(hi, fifth_bit_pair(first, p + 4));
+            } else {
+                lo = _mm512_or_si512(lo, high_pair_pair(first, p));
+                hi = _mm512_or_si512(hi, high_pair_pair(second, p));
+            }
+            for (int g = 0; g < 2; g++) {
+                _mm256_storeu_si256((__m256i *)(out[g] + 32 * p), g ? _mm512_extracti64x4_epi64(lo, 1) : _mm512_castsi512_si256(lo));
+                _mm256_storeu_si256((__m256i *)(out[g] + 32 * (p + 4)),
+                                    g ? _mm512_extracti64x4_epi64(hi, 1) : _mm512_castsi512_si256(hi));
             }
         }
+    }
     return panel;
 }
 #else
@@ -593,9 +672,8 @@ size_t quant_linear_scratch_bytes(int M, int K) {
 static __thread float *expanded;
 static __thread size_t expanded_bytes;
 
-static const float *expanded_values(const void *scale, const void *min, int64_t gv, int KB, int G, int bits) {
-    const int subs = KB * SUBS_PER_BLOCK(bits);
-    const size_t per_group = (size_t)subs * 8, bytes = 2 * G * per_group * sizeof(float);
+static const float *expanded_values(const void *scale, const void *min, int64_t gv, int KB, int G) {
+    const size_t per_group = (size_t)KB * 8, bytes = 2 * G * per_group * sizeof(float);
     if (bytes > expanded_bytes) {
         free(expanded);
         expanded = aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -608,9 +686,9 @@ static const float *expanded_values(const void *scale, const void *min, int64_t 
             const char *p = (const char *)sources[which] + g * gv;
             float *out = expanded + (which * G + g) * per_group;
             __m256 factors = _mm256_setzero_ps();
-            for (int sb = 0; sb < subs; sb++) {
-                if (sb % SUBS_PER_SUPER(bits) == 0) factors = super_factors(p, sb / SUBS_PER_BLOCK(bits), bits);
-                _mm256_storeu_ps(out + 8 * sb, load_values(p, sb, SCALES_SUPER_BLOCKS, factors, bits));
+            for (int kb = 0; kb < KB; kb++) {
+                if (kb % 8 == 0) factors = super_factors(p, kb, 4);
+                _mm256_storeu_ps(out + 8 * kb, load_values(p, kb, SCALES_SUPER_BLOCKS, factors, 4));
             }
         }
     return expanded;
@@ -645,12 +723,13 @@ static void group_rows(const QuantLinear *layer, const Activations *x, float *y,
     const float *gb = layer->bias ? layer->bias + 8 * g : 0;
 #if VNNI
     vnni = vnni && G == GROUP_TILE;  /* a lone last group (N = 8 mod 16) takes the AVX2 tile */
-    const uint8_t *panel = vnni && (bits == 5 || bits == 6) ? unpacked(w, gw, KB, G, bits) : NULL;
+    const uint8_t *panel = vnni && (bits == 5 || bits == 6) ? unpacked_pair(w, gw, KB, bits) : NULL;
     vnni = vnni && ((bits != 5 && bits != 6) || panel);
 #endif
-    /* Super-blocks expanded where more than two tiles read them; fewer compute them in the tile. */
-    if (format == SCALES_SUPER_BLOCKS && m1 - m0 > 2 * ROW_TILE) {
-        const float *values = expanded_values(gs, gm, gv, KB, G, bits);
+    /* 4-bit super-blocks expanded where more than two tiles read them; fewer compute them in the
+     * tile (6-bit ones always do: their products are integers, the factor taken once a block). */
+    if (format == SCALES_SUPER_BLOCKS && bits == 4 && m1 - m0 > 2 * ROW_TILE) {
+        const float *values = expanded_values(gs, gm, gv, KB, G);
         if (values) {
             gs = values, gm = gm ? values + (int64_t)G * KB * 8 : 0;
             format = SCALES_F32, gv = group_value_bytes(format, bits, KB);
