@@ -100,8 +100,8 @@ def set_shapes() -> list[tuple[str, int, int, int]]:
         q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
         layers = [("qkv", q + 2 * kv, m.hidden_size), ("o", m.hidden_size, q),
                   ("gate_up", 2 * m.ffn_size, m.hidden_size), ("down", m.hidden_size, m.ffn_size)]
-        shapes += [(f"{m.name} {layer}", n, k, bits) for layer, n, k in layers for bits in (4, 8)]
-        shapes.insert(-1, (f"{m.name} down", m.hidden_size, m.ffn_size, 6))
+        shapes += [(f"{m.name} {layer}", n, k, bits) for layer, n, k in layers
+                   for bits in ((4, 6, 8) if layer == "down" else (4, 8))]
         shapes += [(f"{m.name} lm_head", m.vocab_size, m.hidden_size, bits) for bits in (6, 8)]
     return shapes
 

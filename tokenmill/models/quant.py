@@ -351,7 +351,7 @@ class QuantizedLinear(nn.Module):
         calls, where a fresh one would be paged in every time)."""
         # A decode step makes ~120 of these calls: the pointers are read once (see _apply), not
         # through nn.Module attribute lookups each time.
-        return _run_kernel(self._kernel_args, x, out)
+        return _run_kernel(self._kernel_args, self.out_features, x, out)
 
     def kernel_args(self) -> kernels.QuantLinear:
         """This layer as csrc/team.h's QuantLinear (for kernels that call the matmul themselves)."""
@@ -396,7 +396,7 @@ class StackedQuantizedLinear(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return _run_kernel(self._chain[0], x, out)
+        return _run_kernel(self._chain[0], self.out_features, x, out)
 
     def kernel_args(self) -> kernels.QuantLinear:
         """The first part as csrc/team.h's QuantLinear, the others chained to it (valid while this
@@ -404,11 +404,10 @@ class StackedQuantizedLinear(nn.Module):
         return self._chain[0]
 
 
-def _run_kernel(layer: kernels.QuantLinear, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """y = x · Wᵀ + bias by csrc/quant_gemm.c, into `out` where given."""
+def _run_kernel(layer: kernels.QuantLinear, n: int, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """y = x · Wᵀ + bias by csrc/quant_gemm.c (n: every part's out_features), into `out` where given."""
     lib = kernels.library()
     assert lib is not None, "the CPU kernels did not build"
-    n = sum(part.out_features for part in _chained(layer))
     lead, k = x.shape[:-1], x.shape[-1]
     x = x.reshape(-1, k)
     if x.dtype != torch.float32 or not x.is_contiguous():
@@ -470,8 +469,10 @@ def install_quantized(model: nn.Module, quantized: dict[str, Quantized | Quantiz
         else:
             assert isinstance(module, nn.Linear), f"{name}: not a linear layer"
             bias = None if module.bias is None or module.bias.is_meta else module.bias
-            stacked = isinstance(weight, QuantizedParts)
-            setattr(parent, attr, StackedQuantizedLinear(weight, bias) if stacked else QuantizedLinear(weight, bias))
+            if isinstance(weight, QuantizedParts):
+                setattr(parent, attr, StackedQuantizedLinear(weight, bias))
+            else:
+                setattr(parent, attr, QuantizedLinear(weight, bias))
 
 
 # ---- from GGUF blocks ---------------------------------------------------------------------
