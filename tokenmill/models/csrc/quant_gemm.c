@@ -144,6 +144,8 @@ static void quantize_row(const float *x, int8_t *q, float *scale, float *sum, in
 /* Sub-blocks (SUB_BLOCK(bits) k values, one block value a column) in a block of 32, and in a
  * super-block. */
 #define SUBS_PER_BLOCK(bits) (BLOCK / SUB_BLOCK(bits))
+/* Bytes of one 8-column group's block of 32 weights at `bits` (4, 5, 6 or 8): the layouts above. */
+#define BLOCK_BYTES(bits) (32 * (bits))
 #define SUBS_PER_SUPER(bits) (SUPER_BLOCK / SUB_BLOCK(bits))
 
 /* Bytes of one 8-column group's block values (scales, or minimums) for K / 32 = KB blocks. */
@@ -165,16 +167,14 @@ static inline __attribute__((always_inline)) __m256 super_factors(const void *p,
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)super));
 }
 
-/* Sub-block sb's eight values (one a column) of the group whose values start at p. Super-blocks:
- * the super-block's `factors` times the sub-block's multiples, exact in fp32 (11 + 8 significant
- * bits at most). */
+/* Sub-block sb's eight values (one a column) of the group whose values start at p. Super-blocks
+ * (4 bits: 6-bit ones are read as integers, load_multiples): the super-block's `factors` times the
+ * block's multiples, exact in fp32 (11 + 6 significant bits). */
 static inline __attribute__((always_inline)) __m256 load_values(const void *p, int sb, const int format,
-                                                                __m256 factors, const int bits) {
-    if (format == SCALES_SUPER_BLOCKS) {
-        const __m128i multiples = _mm_loadl_epi64((const __m128i *)multiples_at(p, sb, bits));
-        return _mm256_mul_ps(factors, _mm256_cvtepi32_ps(bits == 6 ? _mm256_cvtepi8_epi32(multiples)
-                                                                   : _mm256_cvtepu8_epi32(multiples)));
-    }
+                                                                __m256 factors) {
+    if (format == SCALES_SUPER_BLOCKS)
+        return _mm256_mul_ps(factors, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                          _mm_loadl_epi64((const __m128i *)multiples_at(p, sb, 4)))));
     return format == SCALES_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + 8 * sb)))
                                 : _mm256_loadu_ps((const float *)p + 8 * sb);
 }
@@ -224,8 +224,8 @@ static inline __attribute__((always_inline)) void q4_tile(
     for (int kb = 0; kb < KB; kb++) {
         if (format == SCALES_SUPER_BLOCKS && kb % 8 == 0)
             scale_factors = super_factors(ws, kb, 4), min_factors = super_factors(wm, kb, 4);
-        const uint8_t *wp = w + (int64_t)kb * 128;
-        if (R == 1) prefetch_ahead(wp, 128);
+        const uint8_t *wp = w + (int64_t)kb * BLOCK_BYTES(4);
+        if (R == 1) prefetch_ahead(wp, BLOCK_BYTES(4));
         __m256i sums[ROW_TILE];
         for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {
@@ -239,8 +239,8 @@ static inline __attribute__((always_inline)) void q4_tile(
                 sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, broadcast4(xr + 4 * p + 16)));
             }
         }
-        const __m256 scale = load_values(ws, kb, format, scale_factors, 4);
-        const __m256 min = wm ? load_values(wm, kb, format, min_factors, 4) : _mm256_setzero_ps();
+        const __m256 scale = load_values(ws, kb, format, scale_factors);
+        const __m256 min = wm ? load_values(wm, kb, format, min_factors) : _mm256_setzero_ps();
         for (int r = 0; r < R; r++) {
             __m256i dot = _mm256_madd_epi16(sums[r], ones);
             if (!wm) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(Q4_OFFSET * xqsum[r * KB + kb]));
@@ -262,8 +262,8 @@ static inline __attribute__((always_inline)) void q8_tile(
     __m256 acc[ROW_TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int kb = 0; kb < KB; kb++) {
-        const int8_t *wp = w + (int64_t)kb * 256;
-        if (R == 1) prefetch_ahead(wp, 256);
+        const int8_t *wp = w + (int64_t)kb * BLOCK_BYTES(8);
+        if (R == 1) prefetch_ahead(wp, BLOCK_BYTES(8));
         __m256i sums[ROW_TILE];
         for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
         for (int v = 0; v < 8; v++) {
@@ -275,7 +275,7 @@ static inline __attribute__((always_inline)) void q8_tile(
                 sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xv), ones));
             }
         }
-        const __m256 scale = load_values(ws, kb, format, _mm256_setzero_ps(), 8);
+        const __m256 scale = load_values(ws, kb, format, _mm256_setzero_ps());
         for (int r = 0; r < R; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]),
                                      _mm256_mul_ps(scale, _mm256_set1_ps(xs[r * KB + kb])), acc[r]);
@@ -307,8 +307,8 @@ static inline __attribute__((always_inline)) void q5_tile(
     __m256 acc[ROW_TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int kb = 0; kb < KB; kb++) {
-        const uint8_t *wp = w + (int64_t)kb * 160;
-        if (R == 1) prefetch_ahead(wp, 160);
+        const uint8_t *wp = w + (int64_t)kb * BLOCK_BYTES(5);
+        if (R == 1) prefetch_ahead(wp, BLOCK_BYTES(5));
         const __m256i plane = _mm256_loadu_si256((const __m256i *)(wp + 128));
         __m256i sums[ROW_TILE];
         for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
@@ -327,7 +327,7 @@ static inline __attribute__((always_inline)) void q5_tile(
             }
             for (int r = 0; r < R; r++) sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(s16[r], ones));
         }
-        const __m256 scale = load_values(ws, kb, format, _mm256_setzero_ps(), 5);
+        const __m256 scale = load_values(ws, kb, format, _mm256_setzero_ps());
         for (int r = 0; r < R; r++) {
             const __m256i dot = _mm256_sub_epi32(sums[r], _mm256_set1_epi32(16 * xqsum[r * KB + kb]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(xs[r * KB + kb])),
@@ -364,8 +364,8 @@ static inline __attribute__((always_inline)) void q6_tile(
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int kb = 0; kb < KB; kb++) {
         if (format == SCALES_SUPER_BLOCKS && kb % 8 == 0) factors = super_factors(ws, kb, 6);
-        const uint8_t *wp = w + (int64_t)kb * 192;
-        if (R == 1) prefetch_ahead(wp, 192);
+        const uint8_t *wp = w + (int64_t)kb * BLOCK_BYTES(6);
+        if (R == 1) prefetch_ahead(wp, BLOCK_BYTES(6));
         const __m256i first = _mm256_loadu_si256((const __m256i *)(wp + 128));
         const __m256i second = _mm256_loadu_si256((const __m256i *)(wp + 160));
         __m256i sums[2][ROW_TILE];  /* [half][row] */
@@ -417,8 +417,8 @@ static inline __attribute__((always_inline)) void q6_tile(
             }
             continue;
         }
-        const __m256 scale[2] = {load_values(ws, 2 * kb, format, factors, 6),
-                                 load_values(ws, 2 * kb + 1, format, factors, 6)};
+        const __m256 scale[2] = {load_values(ws, 2 * kb, format, factors),
+                                 load_values(ws, 2 * kb + 1, format, factors)};
         for (int r = 0; r < R; r++) {
             const __m256 x_scale = _mm256_set1_ps(xs[r * KB + kb]);
             for (int h = 0; h < 2; h++)
@@ -458,14 +458,12 @@ static inline __attribute__((always_inline)) __m512 super_factor_pair(const void
 /* Sub-block sb's sixteen values: eight of the group whose values start at p, eight of the next
  * group's, `gv` bytes on (load_values for two groups). */
 static inline __attribute__((always_inline)) __m512 load_value_pair(const void *p, int sb, int64_t gv,
-                                                                    const int format, __m512 factors,
-                                                                    const int bits) {
-    if (format == SCALES_SUPER_BLOCKS) {
-        const uint8_t *first = multiples_at(p, sb, bits);
+                                                                    const int format, __m512 factors) {
+    if (format == SCALES_SUPER_BLOCKS) {  /* 4 bits, as load_values */
+        const uint8_t *first = multiples_at(p, sb, 4);
         const __m128i both = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)first),
                                                 _mm_loadl_epi64((const __m128i *)(first + gv)));
-        return _mm512_mul_ps(factors, _mm512_cvtepi32_ps(bits == 6 ? _mm512_cvtepi8_epi32(both)
-                                                                   : _mm512_cvtepu8_epi32(both)));
+        return _mm512_mul_ps(factors, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(both)));
     }
     if (format == SCALES_F16) {  /* one conversion for both */
         const uint16_t *h = (const uint16_t *)p + 8 * sb;
@@ -534,8 +532,8 @@ static inline __attribute__((always_inline)) void q4_tile_vnni(
                 chain[(2 * p + 1) % NC] = _mm512_dpbusd_epi32(chain[(2 * p + 1) % NC], hi, broadcast4_512(xr + 16));
             }
         }
-        const __m512 scale = load_value_pair(ws, kb, gv, format, scale_factors, 4);
-        const __m512 min = wm ? load_value_pair(wm, kb, gv, format, min_factors, 4) : _mm512_setzero_ps();
+        const __m512 scale = load_value_pair(ws, kb, gv, format, scale_factors);
+        const __m512 min = wm ? load_value_pair(wm, kb, gv, format, min_factors) : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
             __m512i dot = chain_sum(sums[r], NC);
             if (!wm) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(Q4_OFFSET * xqsum[r * KB + kb]));
@@ -594,7 +592,7 @@ static inline __attribute__((always_inline)) void q8_tile_vnni(
             continue;
         }
         for (int h = 0; h <= halves; h++) {
-            const __m512 scale = load_value_pair(ws, SUBS_PER_BLOCK(bits) * kb + h, gv, format, factors, bits);
+            const __m512 scale = load_value_pair(ws, SUBS_PER_BLOCK(bits) * kb + h, gv, format, factors);
             for (int r = 0; r < R; r++)
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r][h]), _mm512_mul_ps(scale, _mm512_set1_ps(xs[r * KB + kb])),
                                          acc[r]);
@@ -643,7 +641,7 @@ static const uint8_t *unpacked_pair(const uint8_t *w, int64_t gw, int KB, const 
     }
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int kb = 0; kb < KB; kb++) {
-        const uint8_t *wp = w + (int64_t)kb * (bits == 5 ? 160 : 192);
+        const uint8_t *wp = w + (int64_t)kb * BLOCK_BYTES(bits);
         uint8_t *out[2] = {panel + (int64_t)kb * 256, panel + ((int64_t)KB + kb) * 256};
         const __m512i first = load_pair(wp + 128, wp + gw + 128);
         const __m512i second = bits == 6 ? load_pair(wp + 160, wp + gw + 160) : first;
@@ -710,7 +708,7 @@ static const float *expanded_values(const void *scale, const void *min, int64_t 
             __m256 factors = _mm256_setzero_ps();
             for (int kb = 0; kb < KB; kb++) {
                 if (kb % 8 == 0) factors = super_factors(p, kb, 4);
-                _mm256_storeu_ps(out + 8 * kb, load_values(p, kb, SCALES_SUPER_BLOCKS, factors, 4));
+                _mm256_storeu_ps(out + 8 * kb, load_values(p, kb, SCALES_SUPER_BLOCKS, factors));
             }
         }
     return expanded;
@@ -738,7 +736,7 @@ static void group_rows(const QuantLinear *layer, const Activations *x, float *y,
     const int K = layer->in_features, KB = K / BLOCK, bits = layer->bits;
     int format = layer->scale_format;
     int64_t gv = group_value_bytes(format, bits, KB);
-    const int64_t gw = (int64_t)KB * (bits == 4 ? 128 : bits == 5 ? 160 : bits == 6 ? 192 : 256);  /* a group's weight bytes */
+    const int64_t gw = (int64_t)KB * BLOCK_BYTES(bits);  /* a group's weight bytes */
     const uint8_t *w = (const uint8_t *)layer->weight + g * gw;
     const void *gs = (const char *)layer->scale + g * gv;
     const void *gm = layer->min ? (const char *)layer->min + g * gv : 0;
@@ -852,7 +850,7 @@ static inline int block_q(const QuantLinear *w, int64_t group, int b, int col, i
     const int KB = w->in_features / BLOCK;
     if (w->bits == 8)
         return ((const int8_t *)w->weight)[(((group * KB + b) * 8 + kg) * 8 + col) * 4 + j];
-    const uint8_t *block = (const uint8_t *)w->weight + (group * KB + b) * (w->bits == 4 ? 128 : w->bits == 5 ? 160 : 192);
+    const uint8_t *block = (const uint8_t *)w->weight + (group * KB + b) * BLOCK_BYTES(w->bits);
     const uint8_t byte = block[((kg % 4) * 8 + col) * 4 + j];
     const int low = kg < 4 ? byte & 15 : byte >> 4;
     if (w->bits == 4) return w->min ? low : low - Q4_OFFSET;
