@@ -4,9 +4,10 @@
  *
  *   cc -O2 -march=native -fopenmp benchmarks/int8_peak.c -o int8_peak && ./int8_peak THREADS
  * prints: GHz, then GMAC/s for vpmaddubsw (AVX2: 32 MACs, then vpmaddwd + vpaddd to keep the sums)
- * and for vpdpbusd (AVX-512 VNNI, 256-bit: 32 MACs into int32 lanes), where the CPU has it; and
- * the 512-bit vpdpbusd (64 MACs), which the GEMM does not use yet: where a core runs it at the
- * 256-bit form's rate, it is the ceiling a 512-bit kernel could reach.
+ * and for vpdpbusd (AVX-512 VNNI, 256-bit: 32 MACs into int32 lanes), where the CPU has it; the
+ * 512-bit vpdpbusd (64 MACs) the GEMM's VNNI tiles use; and the same tiles' instruction mix on
+ * registers (`tile_*`, 4 rows; `tile8_*`, 8): what a 32-value block costs beside its products (the
+ * 4-bit unpacking, the int32 sum's conversion and scaling), the ceiling no memory layout can lift.
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -91,6 +92,73 @@ static double dpbusd512_gmacs(int threads) {
     }
     return (double)threads * STEPS * CHAINS * 64 / (now() - t0) / 1e9;
 }
+
+/* GMAC/s of the VNNI tile's work on registers: `rows` x 16 columns, per 32-value block 8
+ * vpdpbusd a row (two chains), then the block's epilogue a row: the chains added, converted, the
+ * row's scale times the columns', one fma (`minimums`: a second fma, as Q4_K's). `unpack`: the
+ * 4-bit weights split into nibbles first (and, shift, and for each of four 64-byte vectors), as
+ * q4_tile_vnni does; without it, the 8-bit tile's sign flip (one xor a vector). */
+#define MAX_TILE_ROWS 8
+static inline __attribute__((always_inline)) void tile_work(long blocks, const int unpack, const int minimums,
+                                                            const int rows) {
+    __m512 acc[MAX_TILE_ROWS], scale = _mm512_set1_ps(0.5f), xs = _mm512_set1_ps(0.25f);
+    __m512i x = _mm512_set1_epi8(5), packed = _mm512_set1_epi8(0x35), low = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (long b = 0; b < blocks; b++) {
+        __m512i sums[MAX_TILE_ROWS][2];
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; r++) sums[r][0] = sums[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int p = 0; p < 4; p++) {
+            __asm__ volatile("" : "+v"(packed));  /* a new weight vector each time */
+            __m512i first, second;
+            if (unpack) {
+                first = _mm512_and_si512(packed, low);
+                second = _mm512_and_si512(_mm512_srli_epi32(packed, 4), low);
+            } else {
+                first = _mm512_xor_si512(packed, low);
+                __asm__ volatile("" : "+v"(packed));
+                second = _mm512_xor_si512(packed, low);
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < rows; r++) {
+                __asm__ volatile("" : "+v"(x));  /* the row's broadcast activations */
+                sums[r][0] = _mm512_dpbusd_epi32(sums[r][0], first, x);
+                sums[r][1] = _mm512_dpbusd_epi32(sums[r][1], second, x);
+            }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; r++) {
+            __asm__ volatile("" : "+v"(xs));
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[r][0], sums[r][1]));
+            acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, xs), acc[r]);
+            if (minimums) acc[r] = _mm512_fmadd_ps(scale, xs, acc[r]);
+        }
+    }
+    __m512 total = acc[0];
+    for (int r = 1; r < rows; r++) total = _mm512_add_ps(total, acc[r]);
+    volatile float sink = _mm512_reduce_add_ps(total);
+    (void)sink;
+}
+
+static double tile_gmacs(int threads, int unpack, int minimums, int rows) {
+    const long blocks = STEPS / 8;
+    const double t0 = now();
+#pragma omp parallel num_threads(threads)
+    {
+        if (rows == 4) {
+            if (!unpack) tile_work(blocks, 0, 0, 4);
+            else if (!minimums) tile_work(blocks, 1, 0, 4);
+            else tile_work(blocks, 1, 1, 4);
+        } else {
+            if (!unpack) tile_work(blocks, 0, 0, 8);
+            else if (!minimums) tile_work(blocks, 1, 0, 8);
+            else tile_work(blocks, 1, 1, 8);
+        }
+    }
+    return (double)threads * blocks * rows * 8 * 64 / (now() - t0) / 1e9;
+}
 #endif
 
 int main(int argc, char **argv) {
@@ -99,6 +167,10 @@ int main(int argc, char **argv) {
            maddubs_gmacs(threads));
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     printf(", \"dpbusd_gmacs\": %.1f, \"dpbusd512_gmacs\": %.1f", dpbusd_gmacs(threads), dpbusd512_gmacs(threads));
+    printf(", \"tile_q8_gmacs\": %.1f, \"tile_q4_gmacs\": %.1f, \"tile_q4_minimums_gmacs\": %.1f",
+           tile_gmacs(threads, 0, 0, 4), tile_gmacs(threads, 1, 0, 4), tile_gmacs(threads, 1, 1, 4));
+    printf(", \"tile8_q8_gmacs\": %.1f, \"tile8_q4_gmacs\": %.1f, \"tile8_q4_minimums_gmacs\": %.1f",
+           tile_gmacs(threads, 0, 0, 8), tile_gmacs(threads, 1, 0, 8), tile_gmacs(threads, 1, 1, 8));
 #endif
     printf("}\n");
     return 0;

@@ -90,7 +90,8 @@ ROWS = (1, 8, 32, 64, 128, 256)
 def set_shapes() -> list[tuple[str, int, int, int]]:
     """The layer shapes of benchmarks/model_set.py's models, as the engine fuses them (q/k/v, gate/up),
     at 4 and 8 bits, down also at 6 (Q4_K_M keeps some in Q6_K), and each lm_head (the SmolLM2
-    vocabulary) at 6 and 8 (Q6_K in the 4-bit files, Q8_0 in the 8-bit ones)."""
+    vocabulary) at 6 and 8 (Q6_K in the 4-bit files, Q8_0 in the 8-bit ones); 6 bits only where the
+    input width is whole super-blocks."""
     from model_set import SHAPES as MODELS  # beside this script
     from model_set import VOCAB_SIZE
 
@@ -103,7 +104,8 @@ def set_shapes() -> list[tuple[str, int, int, int]]:
         shapes += [(f"{m.name} {layer}", n, k, bits) for layer, n, k in layers
                    for bits in ((4, 6, 8) if layer == "down" else (4, 8))]
         shapes += [(f"{m.name} lm_head", m.vocab_size, m.hidden_size, bits) for bits in (6, 8)]
-    return shapes
+    # Q6_K needs whole super-blocks: llama-quantize gives a tensor of other widths another type.
+    return [shape for shape in shapes if shape[3] != 6 or shape[2] % SUPER_BLOCK == 0]
 
 
 def _best_seconds(fn, x, reps: int) -> float:  # type: ignore[no-untyped-def]
@@ -161,6 +163,11 @@ def kernels(args: argparse.Namespace) -> dict:
     print(f"int8 peak, {peak['threads']} threads at ~{peak['clock_ghz']:.2f} GHz: vpmaddubsw (+ its add) "
           f"{peak['maddubs_gmacs']:.0f} GMAC/s, vpdpbusd {peak.get('dpbusd_gmacs', 'n/a')} GMAC/s (256-bit), "
           f"{peak.get('dpbusd512_gmacs', 'n/a')} GMAC/s (512-bit)", flush=True)
+    if "tile_q8_gmacs" in peak:
+        print(f"the VNNI tiles' instructions on registers, 4 rows (8 rows): 8-bit {peak['tile_q8_gmacs']:.0f} "
+              f"({peak['tile8_q8_gmacs']:.0f}), 4-bit {peak['tile_q4_gmacs']:.0f} ({peak['tile8_q4_gmacs']:.0f}), "
+              f"4-bit with minimums {peak['tile_q4_minimums_gmacs']:.0f} ({peak['tile8_q4_minimums_gmacs']:.0f}) "
+              "GMAC/s", flush=True)
     avx2 = kernels_lib.variant(("-mno-avx512vnni",))
     results: dict = {"peak": peak}
     meter = CpuMeter()
@@ -186,11 +193,25 @@ def kernels(args: argparse.Namespace) -> dict:
             if fp32 is not None:
                 rate["fp32"] = m * n * k / _best_seconds(fp32, x, reps) / 1e9
             rate["q % of peak"] = 100 * rate["q"] / top
+            ceiling = _tile_ceiling(peak, bits, blocks.min is not None)
+            if ceiling:
+                rate["q % of tile"] = 100 * rate["q"] / ceiling
             results[f"{name} q{bits} M={m}"] = rate
             print(f"{name:14s} {n}x{k} q{bits} M={m:3d}: " + ", ".join(
                 f"{key} {value:6.1f}" for key, value in rate.items()), flush=True)
     print(_other(meter))
     return results
+
+
+def _tile_ceiling(peak: dict, bits: int, minimums: bool) -> float | None:
+    """GMAC/s of the VNNI tile's own instructions for a layer of these bits (int8_peak.c's tile_*):
+    5 and 6 bits run the 8-bit tile over an unpacked panel, so its figure (their halves' extra
+    scaling at 6 bits aside)."""
+    if "tile_q8_gmacs" not in peak:
+        return None
+    if bits != 4:
+        return peak["tile_q8_gmacs"]
+    return peak["tile_q4_minimums_gmacs" if minimums else "tile_q4_gmacs"]
 
 
 def _run_on(lib, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
