@@ -7,7 +7,8 @@
  * and for vpdpbusd (AVX-512 VNNI, 256-bit: 32 MACs into int32 lanes), where the CPU has it; the
  * 512-bit vpdpbusd (64 MACs) the GEMM's VNNI tiles use; and the same tiles' instruction mix on
  * registers (`tile_*`, 4 rows; `tile8_*`, 8): what a 32-value block costs beside its products (the
- * 4-bit unpacking, the int32 sum's conversion and scaling), the ceiling no memory layout can lift.
+ * 4-bit unpacking, the int32 sum's conversion and scaling), the ceiling no memory layout can lift;
+ * where the CPU has AMX, the tile unit's peak and its rate on the quant GEMM's blocks of 32.
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -161,6 +162,64 @@ static double tile_gmacs(int threads, int unpack, int minimums, int rows) {
 }
 #endif
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+/* GMAC/s of the AMX tile unit on every thread: tdpbssd into four 16 × 16 int32 tiles from the same
+ * two operand tiles (no memory), at K = 64 (`blocked` 0: the unit's peak), or the quant GEMM's
+ * work per block of 32 (`blocked` 1: 16 rows × 32 bytes of activations and the block's weights
+ * loaded from L1, multiplied, the sums stored for the epilogue, two blocks in flight). 0 where
+ * Linux refuses the tile state. */
+static double amx_gmacs(int threads, int blocked) {
+    if (syscall(SYS_arch_prctl, 0x1023, 18)) return 0.0;  /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
+    const long steps = STEPS / 40;
+    const double t0 = now();
+#pragma omp parallel num_threads(threads)
+    {
+        struct {
+            uint8_t palette, start_row, reserved[14];
+            uint16_t bytes_per_row[16];
+            uint8_t rows[16];
+        } __attribute__((packed, aligned(64))) config = {.palette = 1};
+        static __thread int8_t a[16 * 64] __attribute__((aligned(64)));
+        static __thread int8_t b[16 * 64] __attribute__((aligned(64)));
+        static __thread int32_t sums[2][256] __attribute__((aligned(64)));
+        for (int i = 0; i < 16 * 64; i++) a[i] = (int8_t)(i * 7), b[i] = (int8_t)(i * 13);
+        for (int t = 0; t < 8; t++) config.bytes_per_row[t] = 64, config.rows[t] = 16;
+        if (blocked) config.bytes_per_row[4] = config.bytes_per_row[5] = 32, config.rows[6] = config.rows[7] = 8;
+        _tile_loadconfig(&config);
+        if (!blocked) {
+            _tile_loadd(4, a, 64);
+            _tile_loadd(6, b, 64);
+            for (long i = 0; i < steps; i++) {
+                _tile_dpbssd(0, 4, 6);
+                _tile_dpbssd(1, 4, 6);
+                _tile_dpbssd(2, 4, 6);
+                _tile_dpbssd(3, 4, 6);
+            }
+        } else {
+            for (long i = 0; i < steps; i++) {
+                _tile_loadd(4, a, 32);
+                _tile_loadd(6, b, 64);
+                _tile_stored(1, sums[1], 64);
+                _tile_zero(0);
+                _tile_dpbssd(0, 4, 6);
+                _tile_loadd(5, a + 32, 32);
+                _tile_loadd(7, b + 512, 64);
+                _tile_stored(0, sums[0], 64);
+                _tile_zero(1);
+                _tile_dpbssd(1, 5, 7);
+            }
+        }
+        _tile_stored(0, sums[0], 64);
+        volatile int32_t sink = sums[0][0];
+        (void)sink;
+        _tile_release();
+    }
+    return (double)threads * steps * 4 * 16 * 16 * (blocked ? 16 : 64) / (now() - t0) / 1e9;
+}
+#endif
+
 int main(int argc, char **argv) {
     const int threads = argc > 1 ? atoi(argv[1]) : omp_get_max_threads();
     printf("{\"threads\": %d, \"clock_ghz\": %.3f, \"maddubs_gmacs\": %.1f", threads, clock_ghz(),
@@ -171,6 +230,9 @@ int main(int argc, char **argv) {
            tile_gmacs(threads, 0, 0, 4), tile_gmacs(threads, 1, 0, 4), tile_gmacs(threads, 1, 1, 4));
     printf(", \"tile8_q8_gmacs\": %.1f, \"tile8_q4_gmacs\": %.1f, \"tile8_q4_minimums_gmacs\": %.1f",
            tile_gmacs(threads, 0, 0, 8), tile_gmacs(threads, 1, 0, 8), tile_gmacs(threads, 1, 1, 8));
+#endif
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+    printf(", \"amx_gmacs\": %.1f, \"amx_block_gmacs\": %.1f", amx_gmacs(threads, 0), amx_gmacs(threads, 1));
 #endif
     printf("}\n");
     return 0;

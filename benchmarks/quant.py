@@ -151,7 +151,7 @@ def _q6_k_like(n: int, k: int) -> Quantized:
 
 
 def kernels(args: argparse.Namespace) -> dict:
-    """GMAC/s per layer shape and row count: the kernel this CPU takes (AVX-512 VNNI where it has
+    """GMAC/s per layer shape and row count: the kernel this CPU takes (AMX, then AVX-512 VNNI, where it has
     it), the AVX2 build of the same source, and oneDNN fp32; against the measured int8 peak. At 4
     bits also with the block values as a Q4_0 file's (fp16) and a Q4_K file's (super-block
     factors); the first column's are fp32."""
@@ -159,7 +159,8 @@ def kernels(args: argparse.Namespace) -> dict:
     peak = int8_peak()
     # The CPU's peak, the fastest of the instructions it has (where 512-bit vpdpbusd runs at the
     # 256-bit rate, that is the ceiling).
-    top = max(peak.get("dpbusd512_gmacs", 0.0), peak.get("dpbusd_gmacs", 0.0), peak["maddubs_gmacs"])
+    top = max(peak.get("amx_gmacs", 0.0), peak.get("dpbusd512_gmacs", 0.0), peak.get("dpbusd_gmacs", 0.0),
+              peak["maddubs_gmacs"])
     print(f"int8 peak, {peak['threads']} threads at ~{peak['clock_ghz']:.2f} GHz: vpmaddubsw (+ its add) "
           f"{peak['maddubs_gmacs']:.0f} GMAC/s, vpdpbusd {peak.get('dpbusd_gmacs', 'n/a')} GMAC/s (256-bit), "
           f"{peak.get('dpbusd512_gmacs', 'n/a')} GMAC/s (512-bit)", flush=True)
@@ -168,7 +169,14 @@ def kernels(args: argparse.Namespace) -> dict:
               f"({peak['tile8_q8_gmacs']:.0f}), 4-bit {peak['tile_q4_gmacs']:.0f} ({peak['tile8_q4_gmacs']:.0f}), "
               f"4-bit with minimums {peak['tile_q4_minimums_gmacs']:.0f} ({peak['tile8_q4_minimums_gmacs']:.0f}) "
               "GMAC/s", flush=True)
+    if peak.get("amx_gmacs"):
+        print(f"AMX tile unit: {peak['amx_gmacs']:.0f} GMAC/s (tdpbssd, K = 64, registers only), "
+              f"{peak['amx_block_gmacs']:.0f} GMAC/s on the GEMM's blocks of 32 (loads, multiply, sums stored)",
+              flush=True)
     avx2 = kernels_lib.variant(("-mno-avx512vnni",))
+    # Where the CPU has AMX the kernel this CPU takes runs whole tiles of 16 rows on it: the VNNI
+    # build of the same source beside it.
+    vnni = kernels_lib.variant(("-mno-amx-int8", "-mno-amx-tile")) if _cpu_has_amx() else None
     results: dict = {"peak": peak}
     meter = CpuMeter()
     for name, n, k, bits in SHAPES if args.shapes == "small" else set_shapes():
@@ -185,6 +193,8 @@ def kernels(args: argparse.Namespace) -> dict:
             x = torch.randn(m, k)
             reps = max(3, int(5e7 / (m * n * k)))
             rate = {"q": m * n * k / _best_seconds(quantized, x, reps) / 1e9}
+            if vnni is not None:
+                rate["q vnni"] = m * n * k / _best_seconds(partial(_run_on, vnni, quantized), x, reps) / 1e9
             if avx2 is not None:
                 on_avx2 = partial(_run_on, avx2, quantized)
                 rate["q avx2"] = m * n * k / _best_seconds(on_avx2, x, reps) / 1e9
@@ -194,13 +204,20 @@ def kernels(args: argparse.Namespace) -> dict:
                 rate["fp32"] = m * n * k / _best_seconds(fp32, x, reps) / 1e9
             rate["q % of peak"] = 100 * rate["q"] / top
             ceiling = _tile_ceiling(peak, bits, blocks.min is not None)
-            if ceiling:
-                rate["q % of tile"] = 100 * rate["q"] / ceiling
+            if ceiling:  # the VNNI tiles' ceiling: the VNNI build's rate where AMX takes the rows
+                rate["q % of tile"] = 100 * rate.get("q vnni", rate["q"]) / ceiling
+            if peak.get("amx_block_gmacs"):
+                rate["q % of amx blocks"] = 100 * rate["q"] / peak["amx_block_gmacs"]
             results[f"{name} q{bits} M={m}"] = rate
             print(f"{name:14s} {n}x{k} q{bits} M={m:3d}: " + ", ".join(
                 f"{key} {value:6.1f}" for key, value in rate.items()), flush=True)
     print(_other(meter))
     return results
+
+
+def _cpu_has_amx() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return "amx_int8" in f.read().split()
 
 
 def _tile_ceiling(peak: dict, bits: int, minimums: bool) -> float | None:

@@ -15,6 +15,17 @@ if [ ! -d "$DIR/src" ]; then
   tar -xzf "$DIR/sdist.tar.gz" -C "$DIR/src" --strip-components=1
 fi
 cd "$DIR/src/vendor/llama.cpp"
-cmake -B build -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON >/dev/null
+# -march=native, except where the CPU has AMX: there this tree's AMX matmul stops with SIGILL at its
+# first ldtilecfg (llama-bench, 1 or 2 threads, on an AMX Xeon), so the build names every other
+# instruction set the CPU has and leaves AMX out.
+ISA=(-DGGML_NATIVE=ON)
+if grep -qw amx_int8 /proc/cpuinfo; then
+  ISA=(-DGGML_NATIVE=OFF)
+  for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
+              avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+    grep -qw "${pair%%:*}" /proc/cpuinfo && ISA+=("-DGGML_${pair##*:}=ON")
+  done
+fi
+cmake -B build -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release "${ISA[@]}" >/dev/null
 cmake --build build -j2 --target llama-bench llama-batched-bench llama-perplexity llama-tokenize llama-quantize
 ls -la build/bin/llama-bench build/bin/llama-batched-bench build/bin/llama-perplexity build/bin/llama-tokenize build/bin/llama-quantize

@@ -79,6 +79,19 @@ def _avx2_kernels() -> ctypes.CDLL:
     return lib
 
 
+def _cpu_has(*flags: str) -> bool:
+    with open("/proc/cpuinfo") as f:
+        words = set(f.read().split())
+    return all(flag in words for flag in flags)
+
+
+def _vnni_kernels() -> ctypes.CDLL:
+    """The kernels without AMX: on a CPU that has it, the VNNI path is tested this way."""
+    lib = kernels.variant(("-mno-amx-int8", "-mno-amx-tile"))
+    assert lib is not None
+    return lib
+
+
 def _run(lib: ctypes.CDLL, layer: QuantizedLinear | StackedQuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x.shape[0], layer.out_features)
     assert lib.quant_linear(ctypes.byref(layer.kernel_args()), x.data_ptr(), y.data_ptr(), x.shape[0], 2) == 0
@@ -86,17 +99,19 @@ def _run(lib: ctypes.CDLL, layer: QuantizedLinear | StackedQuantizedLinear, x: t
 
 
 @needs_kernel
-@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("isa", ["native", "vnni", "avx2"])
 @pytest.mark.parametrize("kind", ["q4", "q4_0", "q5", "q6", "q8"])
 @pytest.mark.parametrize("scales", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("m", "n", "k"),
-                         [(1, 8, 32), (3, 40, 64), (4, 16, 96), (5, 40, 64), (7, 136, 320), (130, 24, 64),
-                          (290, 24, 64)])  # 290: a chunk of 256 rows, then 34
+                         [(1, 8, 32), (3, 40, 64), (4, 16, 96), (5, 40, 64), (7, 136, 320), (37, 40, 96),
+                          (130, 24, 64), (290, 24, 64)])  # 290: a chunk of 256 rows, then 34
 def test_kernel_computes_the_integer_block_dot_products(
         isa: str, kind: str, scales: torch.dtype, m: int, n: int, k: int) -> None:
     """fp16: scales (and minimums) a GGUF would hold, which the layer keeps in fp16. native: the
-    path this CPU takes (AVX-512 VNNI where it has it, with a lone last group on AVX2 at n = 40 and
-    136); avx2: the kernels built without VNNI."""
+    path this CPU takes (AMX tiles for whole tiles of 16 rows where it has them, then AVX-512 VNNI
+    where it has it, with a lone last group on AVX2 at n = 40 and 136); vnni: the kernels built
+    without AMX; avx2: without VNNI. 37 rows of 3 blocks: two tiles of 16 and 5 rows, an odd number
+    of blocks."""
     torch.manual_seed(m * n + k)
     w, x = _weight(kind, n, k), torch.randn(m, k) * 3
     bits = w.bits
@@ -106,9 +121,33 @@ def test_kernel_computes_the_integer_block_dot_products(
     for bias in (None, torch.randn(n)):
         layer = QuantizedLinear(w, bias)
         assert layer.scale.dtype == scales
-        got = (layer(x) if isa == "native" else _run(_avx2_kernels(), layer, x)).double()
+        lib = {"vnni": _vnni_kernels, "avx2": _avx2_kernels}.get(isa)
+        got = (layer(x) if lib is None else _run(lib(), layer, x)).double()
         want = _integer_reference(x, w, bias)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), f"{kind} {m}x{n}x{k}"
+
+
+@needs_kernel
+@pytest.mark.skipif(not _cpu_has("amx_int8", "amx_tile", "avx512_vnni"), reason="needs a CPU with AMX")
+@pytest.mark.parametrize("kind", ["q4", "q4_0", "q5", "q6", "q8", "q4_k", "q6_k"])
+def test_amx_tiles_give_the_vnni_tiles_bits(kind: str) -> None:
+    """The tile unit's integer dot products and the same fp32 epilogue: every row the same bits as
+    the VNNI build's, at whole tiles, with rows left over, across a chunk, in every value format
+    (fp32, fp16, a k-quant's super-block factors), with a bias."""
+    torch.manual_seed(7)
+    n, k = 56, 288  # 9 blocks (odd), a lone last group
+    if kind.endswith("_k"):
+        n, k = 56, 512
+        w = _k_quant_like(int(kind[1]), n, k, 3)
+    else:
+        w = _weight(kind, n, k)
+    for weight in (w, Quantized(w.bits, w.q, w.scale.half().float(), None if w.min is None else w.min.half().float())
+                   if not kind.endswith("_k") else w):
+        layer = QuantizedLinear(weight, torch.randn(n))
+        for m in (16, 31, 48, 300):
+            x = torch.randn(m, k) * 3
+            x[1, :32] = 0.0
+            assert torch.equal(layer(x), _run(_vnni_kernels(), layer, x)), (kind, m)
 
 
 def test_quantize_round_trips_within_half_a_step() -> None:

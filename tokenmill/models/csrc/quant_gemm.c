@@ -38,9 +38,10 @@
  * Activations: x fp32 [M, K] is quantised into scratch of the calling thread: xq int8 [M, K],
  * xs (scale) and xsum (scale · Σq, the rounded block's sum, for the q4 min term) fp32 [M, K/32],
  * xqsum, the block's sum of int8 values (int32 [M, K/32]), for the q4, q5 and q6 offsets and the
- * VNNI path's q8 one, and xqhalf, the sum of its first 16 (int32 [M, K/32]), for q6's halves.
+ * VNNI path's q8 one, and xqhalf, the sum of its first 16 (int32 [M, K/32]), for q6's halves;
+ * on the AMX path xs and xsum again by block ([K/32, M]).
  *
- * Two instruction paths over the same layouts:
+ * Three instruction paths over the same layouts:
  * - AVX2: `maddubs` (u8 × s8 pairs summed into int16) then `madd` to widen: three instructions per
  *   32 MACs, one tile of up to 4 rows × 8 columns.
  * - AVX-512 VNNI (Zen 4, Ice Lake and later): u8 × s8 products summed straight into int32 lanes
@@ -49,6 +50,9 @@
  *   serves 4 rows, and the per-block epilogue (convert, scale, add) is paid once for 16 columns.
  *   8-bit weights are signed; flipping their top bit makes them u8 (w + 128), and the block's
  *   128 · Σ x_q is taken off the int32 sum, exactly. A lone last group takes the AVX2 tile.
+ * - AMX (Sapphire Rapids and later), for whole tiles of 16 rows: the tile unit's int8 products
+ *   over a panel of each pair of groups unpacked once a chunk, the same dot products and epilogue
+ *   as the VNNI tile (amx_tile); the VNNI tile takes the rows left over.
  */
 #include <math.h>
 #include <stdint.h>
@@ -664,9 +668,249 @@ static const uint8_t *unpacked_pair(const uint8_t *w, int64_t gw, int KB, const 
     }
     return panel;
 }
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX 1
+/* AMX (Sapphire Rapids and later): the tile unit multiplies a 16-row × 32-byte tile of the int8
+ * activations by a block's weights of two groups (16 columns) into 16 × 16 int32 dot products in
+ * one instruction, where the VNNI tile takes 32 vpdpbusd for a quarter of them. Signed × signed
+ * (tdpbssd) and signed × unsigned (tdpbsud) products need no offset terms: the panel holds q less
+ * its offset (Q4_0, q5, q6) or q itself (q8; q4 with minimums, unsigned). The dot products are the
+ * VNNI tile's, exactly, and the fp32 epilogue (convert, times scale times x's scale, then + min ·
+ * Σ x) is the same operations in the same order, so a row gets the same bits on either path. */
+#define AMX_ROWS 16
+#define AMX_PANEL_ROW 64                     /* bytes: a k-group of 4 for both groups' 16 columns */
+#define AMX_PANEL_BLOCK (8 * AMX_PANEL_ROW)  /* a block of 32 */
+/* Tile registers, as literals (the tile instructions take them as immediates): a block's sums, its
+ * activations and its weights, two of each, so that consecutive blocks use different tiles (tiles
+ * are not renamed: the next block's loads would wait for this block's multiply). At 6 bits each
+ * set holds a half block's activations and weights. */
+#define AMX_C0 0
+#define AMX_C1 1
+#define AMX_C2 2
+#define AMX_C3 3
+#define AMX_A0 4
+#define AMX_A1 5
+#define AMX_B0 6
+#define AMX_B1 7
+
+/* The process asks Linux once for the tile registers' state (off until asked); 0 where refused. */
+static int amx_permitted(void) {
+    static int state = -1;
+    int known = __atomic_load_n(&state, __ATOMIC_RELAXED);
+    if (known < 0) {
+        known = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+        __atomic_store_n(&state, known, __ATOMIC_RELAXED);
+    }
+    return known;
+}
+
+/* Sums: 16 × 16 int32; activations 16 rows × the k values of a block (or, halves, a half block);
+ * weights those k values' groups of 4 × 64 bytes. */
+static void amx_configure(const int halves) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t bytes_per_row[16];
+        uint8_t rows[16];
+    } __attribute__((packed, aligned(64))) config = {.palette = 1};
+    const int k = halves ? BLOCK / 2 : BLOCK;
+    for (int t = 0; t < 8; t++) {
+        const int weights = t >= AMX_B0;
+        config.bytes_per_row[t] = t < AMX_A0 ? 64 : weights ? AMX_PANEL_ROW : k;
+        config.rows[t] = weights ? k / 4 : AMX_ROWS;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* A pair of groups' blocks for the tile unit: [KB][8 k-groups][2 groups][8 columns][4 k], as
+ * int8 q less its offset, or (4 bits with minimums) q as uint8. One buffer per thread of the team;
+ * NULL when out of memory. */
+static __thread uint8_t *amx_panel_buffer;
+static __thread size_t amx_panel_bytes;
+
+static const uint8_t *amx_panel(const uint8_t *w, int64_t gw, int KB, const int bits, const int has_min) {
+    const size_t bytes = (size_t)KB * AMX_PANEL_BLOCK;
+    if (bytes > amx_panel_bytes) {
+        free(amx_panel_buffer);
+        amx_panel_buffer = aligned_alloc(64, bytes);
+        amx_panel_bytes = amx_panel_buffer ? bytes : 0;
+        if (!amx_panel_buffer) return NULL;
+    }
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const int offset = bits == 4 ? (has_min ? 0 : Q4_OFFSET) : bits == 5 ? 16 : bits == 6 ? Q6_OFFSET : 0;
+    const __m512i less = _mm512_set1_epi8((char)offset);
+    for (int kb = 0; kb < KB; kb++) {
+        const uint8_t *wp = w + (int64_t)kb * BLOCK_BYTES(bits);
+        __m512i *out = (__m512i *)(amx_panel_buffer + (int64_t)kb * AMX_PANEL_BLOCK);
+        if (bits == 8) {
+            for (int v = 0; v < 8; v++) _mm512_store_si512(out + v, load_pair(wp + 32 * v, wp + gw + 32 * v));
+            continue;
+        }
+        const __m512i first = bits == 4 ? low : load_pair(wp + 128, wp + gw + 128);
+        const __m512i second = bits == 6 ? load_pair(wp + 160, wp + gw + 160) : first;
+        for (int p = 0; p < 4; p++) {
+            const __m512i packed = load_pair(wp + 32 * p, wp + gw + 32 * p);
+            __m512i lo = _mm512_and_si512(packed, low), hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            if (bits == 5) {
+                lo = _mm512_or_si512(lo, fifth_bit_pair(first, p));
+                hi = _mm512_or_si512(hi, fifth_bit_pair(first, p + 4));
+            } else if (bits == 6) {
+                lo = _mm512_or_si512(lo, high_pair_pair(first, p));
+                hi = _mm512_or_si512(hi, high_pair_pair(second, p));
+            }
+            _mm512_store_si512(out + p, _mm512_sub_epi8(lo, less));
+            _mm512_store_si512(out + p + 4, _mm512_sub_epi8(hi, less));
+        }
+    }
+    return amx_panel_buffer;
+}
+
+/* Block kb's activations (a: 16 rows K bytes apart) and weights (b: the panel's block) into tiles
+ * A_P, B_P, P a literal 0 or 1; at 6 bits its halves' into A0, B0 and A1, B1. */
+#define AMX_LOAD(P, a, b, K, halves)                                  \
+    do {                                                              \
+        if (halves) {                                                 \
+            _tile_loadd(AMX_A0, a, K);                                \
+            _tile_loadd(AMX_B0, b, AMX_PANEL_ROW);                    \
+            _tile_loadd(AMX_A1, (a) + BLOCK / 2, K);                  \
+            _tile_loadd(AMX_B1, (b) + 4 * AMX_PANEL_ROW, AMX_PANEL_ROW); \
+        } else {                                                      \
+            _tile_loadd(AMX_A##P, a, K);                              \
+            _tile_loadd(AMX_B##P, b, AMX_PANEL_ROW);                  \
+        }                                                             \
+    } while (0)
+
+/* Its dot products into C_P (at 6 bits the halves' into C_P and C_(P + 2)): signed activations
+ * times signed weights, or (has_min) unsigned ones. */
+#define AMX_DOTS(P, has_min, halves)                      \
+    do {                                                  \
+        _tile_zero(AMX_C##P);                             \
+        if (halves) {                                     \
+            _tile_zero(AMX_C2##P);                        \
+            _tile_dpbssd(AMX_C##P, AMX_A0, AMX_B0);       \
+            _tile_dpbssd(AMX_C2##P, AMX_A1, AMX_B1);      \
+        } else if (has_min) {                             \
+            _tile_dpbsud(AMX_C##P, AMX_A##P, AMX_B##P);   \
+        } else {                                          \
+            _tile_dpbssd(AMX_C##P, AMX_A##P, AMX_B##P);   \
+        }                                                 \
+    } while (0)
+
+/* C_P's sums into dots (int32 [16][16]; at 6 bits C_(P + 2)'s, the second half's, at dots + 256). */
+#define AMX_STORE(P, dots, halves)                                                        \
+    do {                                                                                  \
+        _tile_stored(AMX_C##P, dots, 64);                                                 \
+        if (halves) _tile_stored(AMX_C2##P, (dots) + 256, 64);                            \
+        /* the tile stores wrote dots (the compiler cannot see it): reads of dots stay after */ \
+        __asm__ volatile("" : "+m"(*(int32_t(*)[2 * AMX_ROWS * 16])(dots)));            \
+    } while (0)
+#define AMX_C20 AMX_C2
+#define AMX_C21 AMX_C3
+
+/* Block kb's epilogue on the 16 rows' accumulators, from its dot products d: q8_tile_vnni's and
+ * q4_tile_vnni's, operation for operation. x_scale and x_sum: the rows' activation scales and
+ * rounded sums for this block, one a row; the super-blocks' factors are read at each 8th block. */
+static inline __attribute__((always_inline)) void amx_epilogue(
+    __m512 *acc, __m512 *scale_factors, __m512 *min_factors, const int32_t *d, int kb, const float *x_scale,
+    const float *x_sum, const void *ws, const void *wm, int64_t gv, const int format, const int bits,
+    const int has_min) {
+    const int halves = bits == 6;
+    if (format == SCALES_SUPER_BLOCKS && kb % 8 == 0) {
+        *scale_factors = super_factor_pair(ws, kb, gv, bits);
+        if (has_min) *min_factors = super_factor_pair(wm, kb, gv, bits);
+    }
+    if (halves && format == SCALES_SUPER_BLOCKS) {
+        const __m512i multiples[2] = {multiple_pair(ws, 2 * kb, gv), multiple_pair(ws, 2 * kb + 1, gv)};
+        _Pragma("GCC unroll 16") for (int r = 0; r < AMX_ROWS; r++) {
+            const __m512i block = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512(d + 16 * r), multiples[0]),
+                                                   _mm512_mullo_epi32(_mm512_load_si512(d + 256 + 16 * r), multiples[1]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block), _mm512_mul_ps(*scale_factors, _mm512_set1_ps(x_scale[r])),
+                                     acc[r]);
+        }
+        return;
+    }
+    for (int h = 0; h <= halves; h++) {
+        const __m512 scale = load_value_pair(ws, SUBS_PER_BLOCK(bits) * kb + h, gv, format, *scale_factors);
+        _Pragma("GCC unroll 16") for (int r = 0; r < AMX_ROWS; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(d + 256 * h + 16 * r)),
+                                     _mm512_mul_ps(scale, _mm512_set1_ps(x_scale[r])), acc[r]);
+    }
+    if (has_min) {
+        const __m512 min = load_value_pair(wm, kb, gv, format, *min_factors);
+        _Pragma("GCC unroll 16") for (int r = 0; r < AMX_ROWS; r++)
+            acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(x_sum[r]), acc[r]);
+    }
+}
+
+/* One block of the pipeline in amx_tile, at parity P = kb % 2 (a literal; Q = 1 - P): the next
+ * block's tiles loaded, this block's sums stored, the next block's multiply, then the previous
+ * block's epilogue. */
+#define AMX_STEP(P, Q)                                                                                    \
+    do {                                                                                                  \
+        const int next = kb + 1 < KB;                                                                     \
+        if (next) AMX_LOAD(Q, xq + (int64_t)(kb + 1) * BLOCK, panel + (int64_t)(kb + 1) * AMX_PANEL_BLOCK, K, \
+                           halves);                                                                       \
+        AMX_STORE(P, dots[P], halves);                                                                    \
+        if (next) AMX_DOTS(Q, has_min, halves);                                                           \
+        if (kb > 0)                                                                                       \
+            amx_epilogue(acc, &scale_factors, &min_factors, dots[Q], kb - 1, x_scale + (kb - 1) * x_stride, \
+                         x_sum + (kb - 1) * x_stride, ws, wm, gv, format, bits, has_min);                 \
+    } while (0)
+
+/* 16 rows × a pair of groups through the tile unit, from the pair's panel (amx_panel). A load
+ * that follows a tile store waits for the store to complete, so the tile operations run a block
+ * ahead of the epilogue, which reads the sums stored an iteration earlier, and the rows'
+ * activation scales come by block (one pointer, not 16 that would be spilled and reloaded). */
+static inline __attribute__((always_inline)) void amx_tile(
+    const int8_t *xq, const float *x_scale, const float *x_sum, int64_t x_stride, const uint8_t *panel,
+    const void *ws, const void *wm, int64_t gv, const float *bias, float *y, int K, int ldy, int accumulate,
+    const int format, const int bits, const int has_min) {
+    const int KB = K / BLOCK, halves = bits == 6;
+    int32_t dots[2][2 * AMX_ROWS * 16] __attribute__((aligned(64)));  /* [block % 2][half][row][column] */
+    __m512 acc[AMX_ROWS], scale_factors = _mm512_setzero_ps(), min_factors = _mm512_setzero_ps();
+    for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    __asm__ volatile("" ::: "memory"); /* the panel's stores stay before the tile loads */
+    AMX_LOAD(0, xq, panel, K, halves);
+    AMX_DOTS(0, has_min, halves);
+    for (int kb = 0; kb < KB; kb++) {
+        if (kb % 2) AMX_STEP(1, 0);
+        else AMX_STEP(0, 1);
+    }
+    amx_epilogue(acc, &scale_factors, &min_factors, dots[(KB - 1) % 2], KB - 1, x_scale + (KB - 1) * x_stride,
+                 x_sum + (KB - 1) * x_stride, ws, wm, gv, format, bits, has_min);
+    store_pair(acc, bias, y, ldy, accumulate, AMX_ROWS);
+}
+
+/* amx_tile at each value format, width and minimums, out of line: inlined into group_rows, its
+ * pointers were spilled to the stack, and each reload waited behind a tile store. (At fp32 and
+ * fp16 the 4-, 5- and 8-bit bodies are the same code: only the panel differs.) */
+#define AMX_TILE_AT(F, B, MIN)                                                                                 \
+    static __attribute__((noinline)) void amx_tile_##F##_##B##_##MIN(                                         \
+        const int8_t *xq, const float *x_scale, const float *x_sum, int64_t x_stride, const uint8_t *panel,    \
+        const void *ws, const void *wm, int64_t gv, const float *bias, float *y, int K, int ldy, int accumulate) { \
+        amx_tile(xq, x_scale, x_sum, x_stride, panel, ws, wm, gv, bias, y, K, ldy, accumulate, F, B, MIN);     \
+    }
+AMX_TILE_AT(SCALES_F32, 4, 0)
+AMX_TILE_AT(SCALES_F32, 4, 1)
+AMX_TILE_AT(SCALES_F32, 5, 0)
+AMX_TILE_AT(SCALES_F32, 6, 0)
+AMX_TILE_AT(SCALES_F32, 8, 0)
+AMX_TILE_AT(SCALES_F16, 4, 0)
+AMX_TILE_AT(SCALES_F16, 4, 1)
+AMX_TILE_AT(SCALES_F16, 5, 0)
+AMX_TILE_AT(SCALES_F16, 6, 0)
+AMX_TILE_AT(SCALES_F16, 8, 0)
+AMX_TILE_AT(SCALES_SUPER_BLOCKS, 4, 1)
+AMX_TILE_AT(SCALES_SUPER_BLOCKS, 6, 0)
+#else
+#define AMX 0
+#endif
 #else
 #define VNNI 0
 #define GROUP_TILE 1
+#define AMX 0
 #endif
 
 /* The AVX2 tile for `rows` rows (at most TILE), its row count and value format known at compile time. */
@@ -681,7 +925,8 @@ static const uint8_t *unpacked_pair(const uint8_t *w, int64_t gw, int KB, const 
 int quant_linear_available(void) { return 1; }
 
 size_t quant_linear_scratch_bytes(int M, int K) {
-    return (size_t)M * K + 4 * sizeof(float) * (size_t)M * (K / BLOCK);  /* xq; xs, xsum, xqsum, xqhalf */
+    /* xq; xs, xsum, xqsum, xqhalf; xs and xsum by block */
+    return (size_t)M * K + 6 * sizeof(float) * (size_t)M * (K / BLOCK);
 }
 
 /* Super-block values of G groups expanded to fp32 (their layout in that format), one buffer per
@@ -727,6 +972,8 @@ typedef struct {
     const int8_t *q;
     const float *scale, *sum;
     const int32_t *qsum, *qhalf;
+    const float *scale_by_block, *sum_by_block; /* scale and sum again as [K/32][M]: the AMX tiles' */
+    int rows;                                   /* M */
 } Activations;
 
 /* Rows m0..m1 of y (rows ldy floats apart) for groups g..g+G-1 of `layer` (G <= GROUP_TILE; 1
@@ -743,8 +990,6 @@ static void group_rows(const QuantLinear *layer, const Activations *x, float *y,
     const float *gb = layer->bias ? layer->bias + 8 * g : 0;
 #if VNNI
     vnni = vnni && G == GROUP_TILE;  /* a lone last group (N = 8 mod 16) takes the AVX2 tile */
-    const uint8_t *panel = vnni && (bits == 5 || bits == 6) ? unpacked_pair(w, gw, KB, bits) : NULL;
-    vnni = vnni && ((bits != 5 && bits != 6) || panel);
 #endif
     /* 4-bit super-blocks expanded where more than two tiles read them; fewer compute them in the
      * tile (6-bit ones always do: their products are integers, the factor taken once a block). */
@@ -755,6 +1000,39 @@ static void group_rows(const QuantLinear *layer, const Activations *x, float *y,
             format = SCALES_F32, gv = group_value_bytes(format, bits, KB);
         }
     }
+#if AMX
+    /* Whole tiles of 16 rows through the tile unit, the rest (and every row where Linux refuses the
+     * tiles) through the VNNI tile. */
+    const uint8_t *amx = vnni && m1 - m0 >= AMX_ROWS && amx_permitted() ? amx_panel(w, gw, KB, bits, gm != NULL)
+                                                                         : NULL;
+    if (amx) {
+        amx_configure(bits == 6);
+        for (; m0 + AMX_ROWS <= m1; m0 += AMX_ROWS) {
+            const int8_t *xm = x->q + (int64_t)m0 * K;
+            const float *sm = x->scale_by_block + m0, *tm = x->sum_by_block + m0;
+            float *ym = y + (int64_t)m0 * ldy + 8 * g;
+#define AMX_CALL(F, B, MIN) \
+    amx_tile_##F##_##B##_##MIN(xm, sm, tm, x->rows, amx, gs, gm, gv, gb, ym, K, ldy, accumulate)
+#define AMX_AT(F)                                                  \
+    {                                                              \
+        if (bits == 4 && gm) AMX_CALL(F, 4, 1);                    \
+        else if (bits == 4) AMX_CALL(F, 4, 0);                     \
+        else if (bits == 5) AMX_CALL(F, 5, 0);                     \
+        else if (bits == 6) AMX_CALL(F, 6, 0);                     \
+        else AMX_CALL(F, 8, 0);                                    \
+    }
+            if (format == SCALES_SUPER_BLOCKS && bits == 4) AMX_CALL(SCALES_SUPER_BLOCKS, 4, 1);
+            else if (format == SCALES_SUPER_BLOCKS) AMX_CALL(SCALES_SUPER_BLOCKS, 6, 0);
+            else if (format == SCALES_F16) AMX_AT(SCALES_F16)
+            else AMX_AT(SCALES_F32)
+        }
+        _tile_release();
+    }
+#endif
+#if VNNI
+    const uint8_t *panel = vnni && m0 < m1 && (bits == 5 || bits == 6) ? unpacked_pair(w, gw, KB, bits) : NULL;
+    vnni = vnni && ((bits != 5 && bits != 6) || panel);
+#endif
     const int tile = vnni || bits == 8 ? ROW_TILE : Q4_ROW_TILE;
     for (int m = m0; m < m1; m += tile) {
         const int rows = m1 - m;
@@ -811,13 +1089,30 @@ void quant_linear_team(const QuantLinear *layer, const float *x, float *y, int M
     for (int m = 0; m < M; m++)
         quantize_row(x + (int64_t)m * K, xq + (int64_t)m * K, xs + (int64_t)m * KB, xsum + (int64_t)m * KB,
                      xqsum + (int64_t)m * KB, xqhalf + (int64_t)m * KB, K);
-    const Activations activations = {xq, xs, xsum, xqsum, xqhalf};
+    float *xs_by_block = (float *)(xqhalf + (size_t)M * KB), *xsum_by_block = xs_by_block + (size_t)M * KB;
+#if AMX
+    if (M >= AMX_ROWS && amx_permitted()) {
+#pragma omp for schedule(static)
+        for (int kb = 0; kb < KB; kb++)
+            for (int m = 0; m < M; m++) {
+                xs_by_block[(int64_t)kb * M + m] = xs[(int64_t)m * KB + kb];
+                xsum_by_block[(int64_t)kb * M + m] = xsum[(int64_t)m * KB + kb];
+            }
+    }
+#endif
+    const Activations activations = {xq, xs, xsum, xqsum, xqhalf, xs_by_block, xsum_by_block, M};
     /* One row (a decode at batch 1) streams the weights through the AVX2 tile, one group at a time:
      * measured as fast or faster there (VNNI's gain is a weight load shared by rows, and it has one). */
     const int vnni = VNNI && M > 1, group_tile = vnni ? GROUP_TILE : 1;
     int tiles = 0;  /* every part's, shared out in one loop */
     for (const QuantLinear *part = layer; part; part = part->next) tiles += part_tiles(part, group_tile);
-    const int fit = CHUNK_BYTES / K / ROW_TILE * ROW_TILE;
+    /* Chunks of whole AMX tiles where there are some: no rows left over for the VNNI tile mid-way. */
+#if AMX
+    const int chunk_rows = AMX_ROWS;
+#else
+    const int chunk_rows = ROW_TILE;
+#endif
+    const int fit = CHUNK_BYTES / K / chunk_rows * chunk_rows;
     const int chunk = fit < MIN_ROW_CHUNK ? MIN_ROW_CHUNK : fit > MAX_ROW_CHUNK ? MAX_ROW_CHUNK : fit;
     for (int m0 = 0; m0 < M; m0 += chunk) {
         const int m1 = m0 + chunk < M ? m0 + chunk : M;
