@@ -61,20 +61,27 @@
 
 #include "team.h"
 
-/* Scratch for the quantised activations (and decode_layers.c's buffers): one buffer per calling
- * thread (engines on several Python threads each have their own), grown as needed and kept, so a
- * step allocates nothing. */
-static __thread int8_t *scratch;
-static __thread size_t scratch_bytes;
+/* A buffer of one thread (engines on several Python threads each have their own), grown as
+ * needed and kept, so a step allocates nothing; 64-byte aligned. */
+typedef struct {
+    void *data;
+    size_t bytes;
+} ThreadBuffer;
 
-int8_t *thread_scratch(size_t bytes) {
-    if (bytes > scratch_bytes) {
-        free(scratch);
-        scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        scratch_bytes = scratch ? bytes : 0;
+/* The buffer grown to at least `bytes` (its contents are not kept); NULL when out of memory. */
+static void *grown(ThreadBuffer *buffer, size_t bytes) {
+    if (bytes > buffer->bytes) {
+        free(buffer->data);
+        buffer->data = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        buffer->bytes = buffer->data ? bytes : 0;
     }
-    return scratch;
+    return buffer->data;
 }
+
+/* Scratch for the quantised activations (and decode_layers.c's buffers). */
+static __thread ThreadBuffer scratch;
+
+int8_t *thread_scratch(size_t bytes) { return grown(&scratch, bytes); }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -615,9 +622,8 @@ static inline __attribute__((always_inline)) void q8_tile_vnni(
         default: CALL(F, 4); break;              \
     }
 
-/* The unpacked q5 or q6 groups of a VNNI tile, one buffer per thread of the team, grown as needed. */
-static __thread uint8_t *panel;
-static __thread size_t panel_bytes;
+/* The unpacked q5 or q6 groups of a VNNI tile, one buffer per thread of the team. */
+static __thread ThreadBuffer unpacked_buffer;
 
 /* fifth_bits and high_pair for a pair of groups' vectors side by side. */
 static inline __attribute__((always_inline)) __m512i fifth_bit_pair(__m512i plane, const int j) {
@@ -631,34 +637,47 @@ static inline __attribute__((always_inline)) __m512i high_pair_pair(__m512i plan
     return _mm512_and_si512(at_bit_4, _mm512_set1_epi8(0x30));
 }
 
+/* A 4-, 5- or 6-bit block of a pair of groups at wp (the next group's gw bytes on): its planes of
+ * high bits (at 5 bits one, at 6 two; none at 4). */
+static inline __attribute__((always_inline)) void block_planes(const uint8_t *wp, int64_t gw, const int bits,
+                                                               __m512i planes[2]) {
+    planes[0] = planes[1] = _mm512_setzero_si512();
+    if (bits >= 5) planes[0] = load_pair(wp + 128, wp + gw + 128);
+    if (bits == 6) planes[1] = load_pair(wp + 160, wp + gw + 160);
+}
+
+/* Vector p (0..3) of that block as the pair's q values: k-group p's (lo) and k-group p + 4's (hi),
+ * the low nibbles with the high bits of `planes` (block_planes) added. */
+static inline __attribute__((always_inline)) void vector_pair_values(const uint8_t *wp, int64_t gw,
+                                                                     const __m512i planes[2], const int p,
+                                                                     const int bits, __m512i *lo, __m512i *hi) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i packed = load_pair(wp + 32 * p, wp + gw + 32 * p);
+    *lo = _mm512_and_si512(packed, low), *hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+    if (bits == 5) {
+        *lo = _mm512_or_si512(*lo, fifth_bit_pair(planes[0], p));
+        *hi = _mm512_or_si512(*hi, fifth_bit_pair(planes[0], p + 4));
+    } else if (bits == 6) {
+        *lo = _mm512_or_si512(*lo, high_pair_pair(planes[0], p));
+        *hi = _mm512_or_si512(*hi, high_pair_pair(planes[1], p));
+    }
+}
+
 /* A pair of q5 or q6 groups' blocks unpacked to the q8 layout ([2][KB][8 vectors][32], q in
  * [0, 31] or [0, 63]), so the VNNI tile reads them as 8-bit weights: the unpacking is paid once
  * for every row of the chunk, not once a tile of 4, in 512-bit operations (both groups at once).
  * NULL when out of memory (the caller takes the AVX2 tile instead). */
 static const uint8_t *unpacked_pair(const uint8_t *w, int64_t gw, int KB, const int bits) {
-    const size_t bytes = (size_t)2 * KB * 256;
-    if (bytes > panel_bytes) {
-        free(panel);
-        panel = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        panel_bytes = panel ? bytes : 0;
-        if (!panel) return NULL;
-    }
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    uint8_t *panel = grown(&unpacked_buffer, (size_t)2 * KB * 256);
+    if (!panel) return NULL;
     for (int kb = 0; kb < KB; kb++) {
         const uint8_t *wp = w + (int64_t)kb * BLOCK_BYTES(bits);
         uint8_t *out[2] = {panel + (int64_t)kb * 256, panel + ((int64_t)KB + kb) * 256};
-        const __m512i first = load_pair(wp + 128, wp + gw + 128);
-        const __m512i second = bits == 6 ? load_pair(wp + 160, wp + gw + 160) : first;
+        __m512i planes[2];
+        block_planes(wp, gw, bits, planes);
         for (int p = 0; p < 4; p++) {
-            const __m512i packed = load_pair(wp + 32 * p, wp + gw + 32 * p);
-            __m512i lo = _mm512_and_si512(packed, low), hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-            if (bits == 5) {
-                lo = _mm512_or_si512(lo, fifth_bit_pair(first, p));
-                hi = _mm512_or_si512(hi, fifth_bit_pair(first, p + 4));
-            } else {
-                lo = _mm512_or_si512(lo, high_pair_pair(first, p));
-                hi = _mm512_or_si512(hi, high_pair_pair(second, p));
-            }
+            __m512i lo, hi;
+            vector_pair_values(wp, gw, planes, p, bits, &lo, &hi);
             for (int g = 0; g < 2; g++) {
                 _mm256_storeu_si256((__m256i *)(out[g] + 32 * p), g ? _mm512_extracti64x4_epi64(lo, 1) : _mm512_castsi512_si256(lo));
                 _mm256_storeu_si256((__m256i *)(out[g] + 32 * (p + 4)),
@@ -727,44 +746,30 @@ static void amx_configure(const int halves) {
 /* A pair of groups' blocks for the tile unit: [KB][8 k-groups][2 groups][8 columns][4 k], as
  * int8 q less its offset, or (4 bits with minimums) q as uint8. One buffer per thread of the team;
  * NULL when out of memory. */
-static __thread uint8_t *amx_panel_buffer;
-static __thread size_t amx_panel_bytes;
+static __thread ThreadBuffer amx_panel_buffer;
 
 static const uint8_t *amx_panel(const uint8_t *w, int64_t gw, int KB, const int bits, const int has_min) {
-    const size_t bytes = (size_t)KB * AMX_PANEL_BLOCK;
-    if (bytes > amx_panel_bytes) {
-        free(amx_panel_buffer);
-        amx_panel_buffer = aligned_alloc(64, bytes);
-        amx_panel_bytes = amx_panel_buffer ? bytes : 0;
-        if (!amx_panel_buffer) return NULL;
-    }
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    uint8_t *panel = grown(&amx_panel_buffer, (size_t)KB * AMX_PANEL_BLOCK);
+    if (!panel) return NULL;
     const int offset = bits == 4 ? (has_min ? 0 : Q4_OFFSET) : bits == 5 ? 16 : bits == 6 ? Q6_OFFSET : 0;
     const __m512i less = _mm512_set1_epi8((char)offset);
     for (int kb = 0; kb < KB; kb++) {
         const uint8_t *wp = w + (int64_t)kb * BLOCK_BYTES(bits);
-        __m512i *out = (__m512i *)(amx_panel_buffer + (int64_t)kb * AMX_PANEL_BLOCK);
+        __m512i *out = (__m512i *)(panel + (int64_t)kb * AMX_PANEL_BLOCK);
         if (bits == 8) {
             for (int v = 0; v < 8; v++) _mm512_store_si512(out + v, load_pair(wp + 32 * v, wp + gw + 32 * v));
             continue;
         }
-        const __m512i first = bits == 4 ? low : load_pair(wp + 128, wp + gw + 128);
-        const __m512i second = bits == 6 ? load_pair(wp + 160, wp + gw + 160) : first;
+        __m512i planes[2];
+        block_planes(wp, gw, bits, planes);
         for (int p = 0; p < 4; p++) {
-            const __m512i packed = load_pair(wp + 32 * p, wp + gw + 32 * p);
-            __m512i lo = _mm512_and_si512(packed, low), hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-            if (bits == 5) {
-                lo = _mm512_or_si512(lo, fifth_bit_pair(first, p));
-                hi = _mm512_or_si512(hi, fifth_bit_pair(first, p + 4));
-            } else if (bits == 6) {
-                lo = _mm512_or_si512(lo, high_pair_pair(first, p));
-                hi = _mm512_or_si512(hi, high_pair_pair(second, p));
-            }
+            __m512i lo, hi;
+            vector_pair_values(wp, gw, planes, p, bits, &lo, &hi);
             _mm512_store_si512(out + p, _mm512_sub_epi8(lo, less));
             _mm512_store_si512(out + p + 4, _mm512_sub_epi8(hi, less));
         }
     }
-    return amx_panel_buffer;
+    return panel;
 }
 
 /* Block kb's activations (a: 16 rows K bytes apart) and weights (b: the panel's block) into tiles
@@ -934,17 +939,12 @@ size_t quant_linear_scratch_bytes(int M, int K) {
  * computing each product again (measured 8-10% of the GEMM at 64-256 rows when each tile did,
  * 10% slower than that at 8 rows). The scales, then (where min is not NULL) the minimums; NULL
  * when out of memory. */
-static __thread float *expanded;
-static __thread size_t expanded_bytes;
+static __thread ThreadBuffer expanded_buffer;
 
 static const float *expanded_values(const void *scale, const void *min, int64_t gv, int KB, int G) {
     const size_t per_group = (size_t)KB * 8, bytes = 2 * G * per_group * sizeof(float);
-    if (bytes > expanded_bytes) {
-        free(expanded);
-        expanded = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        expanded_bytes = expanded ? bytes : 0;
-        if (!expanded) return NULL;
-    }
+    float *expanded = grown(&expanded_buffer, bytes);
+    if (!expanded) return NULL;
     const void *sources[2] = {scale, min};
     for (int which = 0; which < (min ? 2 : 1); which++)
         for (int g = 0; g < G; g++) {
