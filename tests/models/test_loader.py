@@ -248,11 +248,11 @@ def test_legacy_gptq_and_fp8_tensors_are_refused_without_a_quantization_config(t
 _PEAK_PROBE = """
 import re, sys, torch
 from pathlib import Path
-from tokenmill.models.loader import _read_tensors
+from tokenmill.models.loader import read_tensors
 def status(field):  # KiB. VmHWM, unlike ru_maxrss, is not inherited from the parent across fork and exec.
     return int(re.search(field + r":\\s+(\\d+)", Path("/proc/self/status").read_text()).group(1))
 before = status("VmRSS")
-state = _read_tensors([Path(sys.argv[1])], torch.float32)
+state = read_tensors([Path(sys.argv[1])], torch.float32)
 print(status("VmHWM") - before)
 """
 

@@ -10,6 +10,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.embed.config import EmbeddingConfig, is_embedding_model
+from tokenmill.engine import EngineConfig
 from tokenmill.engine.args import (
     add_engine_arguments,
     add_structured_output_arguments,
@@ -32,7 +34,10 @@ if TYPE_CHECKING:
 JOB_OUTPUT_SETTINGS = ("errors", "input_format", "output_format", "part_rows", "spool_dir")
 JOB_RUNNING_SETTINGS = ("order", "strict", "overwrite", "price_per_hour", "progress")
 CSV_SETTINGS = ("prompt_column", "id_column")
-DOCUMENT_SETTINGS = ("system", "template", "max_tokens", "temperature", "completions")
+DOCUMENT_SETTINGS = ("system", "template", "max_tokens", "temperature", "completions", "embed")
+# The engine flags an embedding model takes (as EmbeddingConfig's fields of the same names); the
+# others are the generation engine's, refused by name with an embedding model.
+EMBEDDING_ENGINE_SETTINGS = ("model", "max_model_len", "num_threads", "max_num_batched_tokens")
 # Every type a `tokenmill run` flag sets a field of (the engine's are engine/args.py's).
 SETTINGS_TYPES = (JobConfig, DocumentOptions, EndpointSpec, RateLimit, RetryPolicy, BatchApiSpec, RayOptions)
 
@@ -69,8 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_setting_arguments(ray, RayOptions)
     add_engine_choice(parser)
     add_engine_arguments(parser, title="the embedded engine (EngineConfig; not used with --endpoint)", help={
-        "model": "embedded: GGUF file, HF folder or hub id (default: the embedded SmolLM2); with --endpoint: "
-                 "the model name sent in every body"})
+        "model": "embedded: GGUF file, HF folder or hub id (default: the embedded SmolLM2; with --embed, "
+                 "all-minilm-l6-v2), or an embedding model (a sentence-transformers / BERT folder, "
+                 "all-minilm-l6-v2); with --endpoint: the model name sent in every body"})
+    add_setting_arguments(parser.add_argument_group(
+        "embedding models (with --embed or an embedding --model; --max-model-len, --num-threads and "
+        "--max-num-batched-tokens apply too)"), EmbeddingConfig, exclude=EMBEDDING_ENGINE_SETTINGS)
 
 
 def add_document_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,8 +114,11 @@ def parse_job(args: argparse.Namespace) -> tuple[JobConfig, BackendSpec]:
 
 def job_config(args: argparse.Namespace) -> JobConfig:
     """The job the flags ask for (`tokenmill choose` builds each candidate's job here too)."""
+    documents = given_settings(args, DocumentOptions)
+    if not args.endpoint and is_embedding_model(args.model):
+        documents["embed"] = True  # an embedding model's documents can only be embedded
     options = DocumentOptions(model=args.model if args.endpoint else None,
-                              structured_outputs=_structured_outputs(args), **given_settings(args, DocumentOptions))
+                              structured_outputs=_structured_outputs(args), **documents)
     return JobConfig(input=_input(args), output=args.output, options=options, **given_settings(args, JobConfig))
 
 
@@ -152,12 +164,32 @@ def backend_spec(args: argparse.Namespace) -> BackendSpec:
         endpoints = tuple(_endpoint_spec(args, url) for url in urls)
     else:
         check_model_path(args.model)
+        if args.embed or is_embedding_model(args.model):
+            return embedding_spec(args)
     engine = None if urls else engine_spec(args)
     if not args.ray:
         if urls:  # several: one process spreads the rows over them (endpoint.py)
             return endpoints[0] if len(endpoints) == 1 else endpoints
         return engine  # type: ignore[return-value]
     return RaySpec(endpoints if urls else engine, RayOptions(**given_settings(args, RayOptions)))  # type: ignore[arg-type]
+
+
+def embedding_spec(args: argparse.Namespace) -> EmbeddingConfig:
+    """An embedding model in this process. The generation engine's flags (and vLLM's, and Ray's,
+    which do not run embeddings yet) are refused by name rather than silently ignored."""
+    generation = [flag_of(f) for f in settings_of(EngineConfig)
+                  if f.name not in EMBEDDING_ENGINE_SETTINGS and getattr(args, f.name, None) is not None]
+    if args.engine == "vllm" or args.ray:
+        generation.insert(0, "--engine vllm" if args.engine == "vllm" else "--ray")
+    if generation:
+        raise ValueError(f"{', '.join(generation)}: not for an embedding model (it takes "
+                         f"{', '.join(flag_of(f) for f in settings_of(EmbeddingConfig))})")
+    model = args.model
+    if model is not None and not is_embedding_model(model) and not (
+            not Path(model).expanduser().exists() and _looks_like_hub_id(model)):  # a hub id: its config tells, at load
+        raise ValueError(f"--embed: --model {model} is not an embedding model (a sentence-transformers or BERT "
+                         "folder, or all-minilm-l6-v2)")
+    return EmbeddingConfig(**given_settings(args, EmbeddingConfig))
 
 
 def _endpoint_spec(args: argparse.Namespace, url: str) -> EndpointSpec:

@@ -1,4 +1,5 @@
-"""The live progress bar: requests done / total, output tokens/s, ETA."""
+"""The live progress bar: requests done / total, output tokens/s (input tokens/s where nothing is
+generated: an embedding job), ETA."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class JobProgress:
         self._bar = Progress(*columns, console=console, disable=not enabled, transient=False)
         self._task = self._bar.add_task("run", total=total, completed=done_before, speed="")
         self._start = self._updated = time.monotonic()
-        self._completion_tokens = self._pending = 0
+        self._completion_tokens = self._prompt_tokens = self._pending = 0
 
     def __enter__(self) -> JobProgress:
         self._start = time.monotonic()
@@ -46,18 +47,23 @@ class JobProgress:
     def set_total(self, total: int) -> None:
         self._bar.update(self._task, total=total)
 
-    def advance(self, completion_tokens: int = 0) -> None:
+    def advance(self, completion_tokens: int = 0, prompt_tokens: int = 0) -> None:
         """One request finished. The bar itself is updated at most every `UPDATE_EVERY_S`: at
         thousands of requests a second, drawing each would cost more than sending it."""
         self._completion_tokens += completion_tokens
+        self._prompt_tokens += prompt_tokens
         self._pending += 1
         now = time.monotonic()
         if now - self._updated >= UPDATE_EVERY_S:
             self._update(now)
 
     def _update(self, now: float) -> None:
-        speed = self._completion_tokens / max(now - self._start, 1e-9)
-        self._bar.update(self._task, advance=self._pending, speed=f"{speed:,.1f} out tok/s")
+        elapsed = max(now - self._start, 1e-9)
+        if self._completion_tokens or not self._prompt_tokens:
+            speed = f"{self._completion_tokens / elapsed:,.1f} out tok/s"
+        else:
+            speed = f"{self._prompt_tokens / elapsed:,.1f} in tok/s"
+        self._bar.update(self._task, advance=self._pending, speed=speed)
         self._pending, self._updated = 0, now
 
 

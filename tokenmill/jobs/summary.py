@@ -54,6 +54,7 @@ class TokenCounts:
     prompt: int
     cached: int
     completion: int
+    vectors: int = 0  # embeddings returned (a /v1/embeddings row may ask for several)
 
 
 @dataclass
@@ -84,6 +85,8 @@ class Throughput:
     decode_tok_s: float | None
     output_tok_s: float | None
     total_tok_s: float | None
+    input_tok_s: float | None = None  # prompt tokens ÷ wall: what an embedding job is billed by
+    vectors_per_s: float | None = None
 
 
 @dataclass
@@ -92,6 +95,7 @@ class Cost:
     usd_per_million_output_tokens: float | None
     million_output_tokens_per_usd: float | None
     job_usd: float | None
+    usd_per_million_input_tokens: float | None = None
 
 
 @dataclass
@@ -157,26 +161,29 @@ def build_summary(
         decode_tok_s=_rate(stats.decode_tokens, stats.decode_s),
         output_tok_s=output_rate,
         total_tok_s=_rate(sink.prompt_tokens + sink.completion_tokens, wall),
+        input_tok_s=_rate(sink.prompt_tokens, wall), vectors_per_s=_rate(sink.vectors, wall) if sink.vectors else None,
     )
     return JobOutcome(
         input_path=str(config.input), results_path=str(paths.results), errors_path=str(paths.errors),
         backend=backend.kind, model=backend.model,
         interrupted=interrupted and requests.not_done > 0,  # a signal after the last row stopped nothing
-        requests=requests, tokens=TokenCounts(sink.prompt_tokens, sink.cached_tokens, sink.completion_tokens),
+        requests=requests,
+        tokens=TokenCounts(sink.prompt_tokens, sink.cached_tokens, sink.completion_tokens, sink.vectors),
         engine=engine, time=Timing(round(stats.load_s, 3), round(wall, 3)),
-        throughput=throughput, cost=_cost(config.price_per_hour, output_rate, wall),
+        throughput=throughput, cost=_cost(config.price_per_hour, throughput, wall),
     )
 
 
-def _cost(price_per_hour: float | None, output_rate: float | None, wall: float) -> Cost | None:
+def _cost(price_per_hour: float | None, throughput: Throughput, wall: float) -> Cost | None:
     if price_per_hour is None:
         return None
-    rate = output_rate or 0.0
+    rate = throughput.output_tok_s or 0.0
     return Cost(
         price_per_hour=price_per_hour,
         usd_per_million_output_tokens=_significant(usd_per_million(price_per_hour, rate)),
         million_output_tokens_per_usd=_significant(millions_per_usd(price_per_hour, rate)),
         job_usd=_significant(usd_for(price_per_hour, wall)),
+        usd_per_million_input_tokens=_significant(usd_per_million(price_per_hour, throughput.input_tok_s or 0.0)),
     )
 
 
@@ -209,9 +216,16 @@ def print_summary(outcome: JobOutcome, console: Console) -> None:
     if req.structured:
         table.add_row("structured", f"{req.structured} request(s) · {req.structured_cut} cut by max_tokens "
                       '(finish_reason "length": incomplete)')
-    table.add_row("tokens", f"prompt {tok.prompt:,} (cached {tok.cached:,}) · completion {tok.completion:,}")
+    embeddings = tok.vectors > 0 and tok.completion == 0  # nothing generated: billed by the tokens read
+    if embeddings:
+        table.add_row("tokens", f"input {tok.prompt:,} · {tok.vectors:,} vector(s)")
+    else:
+        table.add_row("tokens", f"prompt {tok.prompt:,} (cached {tok.cached:,}) · completion {tok.completion:,}")
     table.add_row("time", f"wall {outcome.time.wall_s:.1f} s · model load {outcome.time.load_s:.1f} s")
-    if eng.prefill_tokens is not None:
+    if embeddings:
+        table.add_row("embedding", f"{_fmt(thr.vectors_per_s)} vectors/s · {_fmt(thr.input_tok_s)} input tok/s "
+                      f"(in forwards: {_fmt(thr.prefill_tok_s)} tok/s)")
+    elif eng.prefill_tokens is not None:
         table.add_row("prefill", _speed(eng.prefill_tokens, eng.prefill_s, thr.prefill_tok_s))
         table.add_row("decode", _speed(eng.decode_tokens, eng.decode_s, thr.decode_tok_s))
     if eng.retries is not None:
@@ -221,8 +235,13 @@ def print_summary(outcome: JobOutcome, console: Console) -> None:
     if eng.replicas is not None:
         per = " (prefill / decode rates are per replica)" if eng.prefill_tokens is not None else ""
         table.add_row("replicas", f"{eng.replicas} on Ray{per}; output and cost are the whole job's")
-    table.add_row("output", f"{_fmt(thr.output_tok_s)} tok/s · total {_fmt(thr.total_tok_s)} tok/s")
-    if outcome.cost is not None:
+    if not embeddings:
+        table.add_row("output", f"{_fmt(thr.output_tok_s)} tok/s · total {_fmt(thr.total_tok_s)} tok/s")
+    if outcome.cost is not None and embeddings:
+        c = outcome.cost
+        table.add_row(f"cost at ${c.price_per_hour:g}/h", f"${_fmt(c.usd_per_million_input_tokens, 4)} per M input "
+                      f"tokens · this run ${c.job_usd:.2g}")
+    elif outcome.cost is not None:
         c = outcome.cost
         table.add_row(
             f"cost at ${c.price_per_hour:g}/h",

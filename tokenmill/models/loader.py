@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,10 +69,14 @@ def looks_like_hub_id(name: str) -> bool:
 
 
 def _download_from_hub(repo_id: str) -> Path:
+    return download_folder(repo_id, _refuse_unrunnable)
+
+
+def download_folder(repo_id: str, refuse: Callable[[dict[str, Any], Path], None]) -> Path:
     """Config and tokenizer first, then only the weight files the folder loader will read: a model
-    we would refuse costs no weight download."""
+    `refuse` (config.json, folder → ValueError) turns down costs no weight download."""
     folder = _snapshot(repo_id, _HUB_METADATA)
-    _refuse_unrunnable(read_config(folder), folder)
+    refuse(read_config(folder), folder)
     # The snapshot folder is named by its commit: the weights must come from that same commit.
     commit = folder.name if re.fullmatch(r"[0-9a-f]{40}", folder.name) else None
     return _snapshot(repo_id, _hub_weight_patterns(folder), revision=commit)
@@ -97,7 +102,7 @@ def _hub_weight_patterns(folder: Path) -> list[str]:
 def _load_folder(folder: Path, tokenizer: str | None, dtype: torch.dtype) -> LoadedWeights:
     cfg, files = check_folder(folder)
     config = ModelConfig.from_hf(cfg)
-    state_dict: dict[str, Weight] = dict(_read_tensors(files, dtype))
+    state_dict: dict[str, Weight] = dict(read_tensors(files, dtype))
     return LoadedWeights(str(folder), config, state_dict, _load_tokenizer(tokenizer or str(folder)))
 
 
@@ -198,7 +203,7 @@ def _refuse_quantised_tensors(files: list[Path]) -> None:
                 raise ValueError(f"{file}: quantised checkpoint (integer weights: tensor {name!r} is {dtype}); {_RUNS}")
 
 
-def _read_tensors(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def read_tensors(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     # One tensor at a time, converted as it is read, so the file's own copy of the weights never
     # exists beside the converted one: peak host memory stays near the final weights.
     state_dict: dict[str, torch.Tensor] = {}

@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 from tokenmill.jobs.input.request import BatchRequest
 from tokenmill.jobs.input.seen_ids import id_key
 from tokenmill.jobs.journal.index import IndexEntry, index_flags
-from tokenmill.jobs.journal.rows import error_row, finish_reason_of, is_transient, result_row, usage_of
+from tokenmill.jobs.journal.rows import error_row, finish_reason_of, is_transient, result_row, usage_of, vectors_of
 from tokenmill.jobs.journal.writers import RowWriter
 
 
@@ -71,7 +71,7 @@ class StopFlag:
 class Progress(Protocol):
     """What is told of each finished request (the job's progress bar)."""
 
-    def advance(self, completion_tokens: int = 0) -> None: ...
+    def advance(self, completion_tokens: int = 0, prompt_tokens: int = 0) -> None: ...
 
 
 class ResultSink:
@@ -82,6 +82,7 @@ class ResultSink:
         self.done = self.failed = self.transient = 0
         self.structured_cut = 0  # results asking for a structured output that max_tokens ended: not valid
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
+        self.vectors = 0  # embeddings in the results (a /v1/embeddings response's data)
 
     def result(self, request: BatchRequest, body: dict[str, Any], request_id: str | None = None) -> None:
         row = result_row(request.custom_id, body, request_id, request.metadata)
@@ -111,8 +112,9 @@ class ResultSink:
         self.prompt_tokens += prompt
         self.cached_tokens += cached
         self.completion_tokens += completion
+        self.vectors += vectors_of(body)
         if self.progress:
-            self.progress.advance(completion)
+            self.progress.advance(completion, prompt)
 
     def _count_error(self, code: str) -> None:
         self.failed += 1

@@ -50,11 +50,13 @@ from tokenmill.jobs.storage import Location
 from tokenmill.openai_compat import (
     CHAT_URL,
     COMPLETIONS_URL,
+    EMBEDDINGS_URL,
     SUPPORTED_URLS,
     RequestError,
     check_fields,
     check_string,
     check_text,
+    parse_embedding_request,
     printable,
     structured_outputs_fields,
 )
@@ -139,7 +141,7 @@ def read_input(
             result.errors.append(item)
             continue
         record, request = item
-        cost = record.size // 4 + request.max_tokens
+        cost = record.size // 4 + (0 if request.url == EMBEDDINGS_URL else request.max_tokens)
         result.entries.append(Entry(record.line, record.offset, request.custom_id, cost, request.structured,
                                     request.max_tokens_defaulted))
     result.sha256, result.csv_layout = digest.hexdigest(), stream.csv_layout
@@ -546,6 +548,8 @@ def _document_request(number: int, custom_id: str, text: str, options: DocumentO
     if not text:
         raise LineError("empty document")
     content = options.template.replace("{text}", text) if options.template else text
+    if options.embed:
+        return _request(number, custom_id, EMBEDDINGS_URL, {"input": content}, options)
     if options.completions:
         prompt = f"{options.system}\n\n{content}" if options.system else content
         return _request(number, custom_id, COMPLETIONS_URL, {"prompt": prompt}, options)
@@ -557,6 +561,11 @@ def _request(
     number: int, custom_id: str, url: str, body: dict[str, Any], options: DocumentOptions, prefix: str = "body."
 ) -> BatchRequest:
     """The request, its body's gaps filled from `options` and checked (LineError naming the field)."""
+    if url == EMBEDDINGS_URL:  # nothing to generate: no generation defaults
+        if options.model is not None:
+            body["model"] = options.model
+        _check_embedding_body(body, prefix)
+        return BatchRequest(number, custom_id, url, body)
     defaulted = "max_tokens" not in body and "max_completion_tokens" not in body
     body = _fill_defaults(body, url, options)
     _check_body(url, body, prefix)
@@ -610,6 +619,13 @@ def _check_body(url: str, body: dict[str, Any], prefix: str = "body.") -> None:
     try:
         check_text(body)  # a lone surrogate: no backend could send or tokenize it
         check_fields(body, url)  # types and ranges, as a server checks them
+    except RequestError as exc:
+        raise LineError(str(exc).replace("body.", prefix, 1)) from None
+
+
+def _check_embedding_body(body: dict[str, Any], prefix: str) -> None:
+    try:
+        parse_embedding_request(body)
     except RequestError as exc:
         raise LineError(str(exc).replace("body.", prefix, 1)) from None
 

@@ -9,8 +9,11 @@ from typing import Any
 
 from tokenmill.engine import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, MAX_LOGPROBS
 from tokenmill.openai_compat import (
+    EMBEDDINGS_URL,
     MAX_COMPLETION_LOGPROBS,
+    EmbeddingRequest,
     OpenAIRequest,
+    parse_embedding_request,
     parse_request,
     requested_max_tokens,
     structured_outputs_fields,
@@ -43,6 +46,8 @@ class DocumentOptions:
         None, f"the custom_id's column (default: {' or '.join(ID_COLUMNS)} if there is one, else line-N)",
         metavar="NAME")
     completions: bool = setting(False, "send documents to /v1/completions as plain prompts instead of chat")
+    embed: bool = setting(False, f"send documents to {EMBEDDINGS_URL}: one vector each (the default with an "
+                                 "embedding --model)")
     # The body field(s) asking for a structured output (openai_compat.structured_outputs_body), for
     # every body that asks for none of its own.
     structured_outputs: dict[str, Any] | None = None
@@ -61,6 +66,8 @@ class DocumentOptions:
             raise SettingError("{max_tokens} must be positive, got {got}", got=self.max_tokens)
         if self.temperature is not None and self.temperature < 0:
             raise SettingError("{temperature} must be >= 0, got {got}", got=self.temperature)
+        if self.embed and self.completions:
+            raise SettingError("{embed} and {completions} send documents to two different endpoints: give one")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise SettingError("{logprobs} must be in [0, {high}], got {got}", high=MAX_LOGPROBS, got=self.logprobs)
         if self.completions and self.logprobs is not None and self.logprobs > MAX_COMPLETION_LOGPROBS:
@@ -77,7 +84,7 @@ class DocumentOptions:
         # Only when set: jobs from before these options still resume.
         later: dict[str, Any] = {
             "structured_outputs": self.structured_outputs, "prompt_column": self.prompt_column,
-            "id_column": self.id_column, "logprobs": self.logprobs,
+            "id_column": self.id_column, "logprobs": self.logprobs, "embed": self.embed or None,
         }
         settings.update({name: value for name, value in later.items() if value is not None})
         return settings
@@ -92,7 +99,7 @@ class DocumentOptions:
 class BatchRequest:
     line: int  # 1-based line number in the input file
     custom_id: str
-    url: str  # CHAT_URL or COMPLETIONS_URL
+    url: str  # one of SUPPORTED_URLS
     body: dict[str, Any]
     max_tokens_defaulted: bool = False  # the line gave no max_tokens: DocumentOptions.default_max_tokens
     metadata: dict[str, str] | None = None  # a CSV row's other columns, written back with its result
@@ -111,6 +118,11 @@ class BatchRequest:
         """The body read and checked for an in-process engine, once (RequestError if it cannot
         serve it). Its field types and ranges are not checked again: `_check_body` did that."""
         return parse_request(self.url, self.body, fields_checked=True)
+
+    @cached_property
+    def embedding(self) -> EmbeddingRequest:
+        """A /v1/embeddings body read and checked, once (RequestError)."""
+        return parse_embedding_request(self.body)
 
 
 @dataclass(frozen=True)

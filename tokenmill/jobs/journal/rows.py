@@ -121,6 +121,12 @@ def usage_of(body: dict[str, Any] | None) -> tuple[int, int, int]:
     return count(usage.get("prompt_tokens")), count(details.get("cached_tokens")), count(usage.get("completion_tokens"))
 
 
+def vectors_of(body: dict[str, Any] | None) -> int:
+    """The embeddings in an OpenAI embeddings response body (its "list" of data); 0 for any other."""
+    data = (body or {}).get("data") if (body or {}).get("object") == "list" else None
+    return len(data) if isinstance(data, list) else 0
+
+
 def encode_row(row: dict[str, Any]) -> bytes:
     try:
         return orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE)

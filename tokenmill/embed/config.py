@@ -1,0 +1,45 @@
+"""The embedding engine's settings, validated up front; torch-free, so flags cost no torch import."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenmill.environment import DEFAULT_EMBEDDING_MODEL, NAMED_MODELS
+from tokenmill.models.encoder_config import is_encoder_folder
+from tokenmill.settings import SettingError, setting
+
+MAX_TRUNCATE = -1  # truncate_prompt_tokens: -1 cuts an input to the model's limit (vLLM's meaning)
+
+
+@dataclass(frozen=True)
+class EmbeddingConfig:
+    model: str | None = setting(
+        None, f"embedding model: a sentence-transformers or BERT folder, a hub id, or {DEFAULT_EMBEDDING_MODEL} "
+        "(the default)")
+    max_num_batched_tokens: int = setting(
+        2048, "tokens in one forward, counted as the batch padded to its longest input (inputs are sorted by "
+        "length first)")
+    sort_window: int = setting(
+        4096, "inputs sorted by length together: larger wastes less padding, smaller finishes rows sooner")
+    max_model_len: int | None = setting(
+        None, "longest input in tokens; longer ones are refused unless a row asks for truncation (default: the "
+        "model's max_seq_length, capped by its position table)")
+    num_threads: int | None = setting(None, "torch CPU threads (default: torch's)")
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "sort_window", "max_model_len", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise SettingError(f"{{{name}}} must be a positive integer, got {{got!r}}", got=value)
+
+
+def is_embedding_model(model: str | None) -> bool:
+    """Whether `model` names an embedding model, from its name or its folder's config.json (no
+    weights, no torch): what `run` and `serve` choose the engine by. A hub id is not looked up."""
+    if model is None:
+        return False
+    path = Path(model).expanduser()
+    if model in NAMED_MODELS and not path.exists():
+        return NAMED_MODELS[model].embedding
+    return is_encoder_folder(path)

@@ -1,0 +1,192 @@
+"""The embedding engine: `Embedder().embed(texts)` → one vector per text.
+
+A model (a sentence-transformers folder, a bare BertModel folder, a hub id or a named model) is
+loaded once: its encoder (models/encoder.py), its pooling (models/pooling.py) and its tokenizer.
+Inputs are sorted by length within a window and packed into forwards of at most
+`max_num_batched_tokens` (batching.py), so the linear layers never see padding and attention sees
+little; vectors come back in the inputs' order.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenmill.embed.batching import length_sorted_batches
+from tokenmill.embed.config import MAX_TRUNCATE, EmbeddingConfig
+from tokenmill.environment import DEFAULT_EMBEDDING_MODEL, NAMED_MODELS, model_name, named_model_path
+from tokenmill.models.encoder import Encoder, PackedBatch, build_encoder
+from tokenmill.models.encoder_config import EncoderConfig
+from tokenmill.models.loader import download_folder, looks_like_hub_id, read_config, read_tensors, weight_files
+from tokenmill.models.pooling import PoolingConfig, PoolingMode, pool
+
+log = logging.getLogger(__name__)
+
+class EmbeddingInputError(ValueError):
+    """One input the model cannot embed as asked: `index` says which, `reason` why."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"input {index}: {reason}")
+        self.index, self.reason = index, reason
+
+
+class InputTooLong(EmbeddingInputError):
+    """An input over the model's limit, and no truncation asked for."""
+
+
+@dataclass
+class EmbedderStats:
+    inputs: int = 0
+    tokens: int = 0
+    forwards: int = 0
+    padded_tokens: int = 0  # attention's [batch × longest] cells, real and padding
+    seconds: float = 0.0  # in forwards and pooling (not tokenizing)
+
+
+class Embedder:
+    """Load an embedding model once, then embed batches of texts or token ids.
+
+    `Embedder()` loads the default (all-MiniLM-L6-v2); `Embedder("path/or/hub-id",
+    max_num_batched_tokens=4096)` takes any `EmbeddingConfig` field as a keyword.
+    """
+
+    def __init__(self, model: str | None = None, **config: Any) -> None:
+        self.config = EmbeddingConfig(model=model, **config)
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        self.folder = embedding_model_folder(self.config.model)
+        cfg = read_config(self.folder)
+        self.encoder_config = EncoderConfig.from_hf(cfg, str(self.folder / "config.json"))
+        self.pooling = PoolingConfig.read(self.folder) or PoolingConfig(PoolingMode.CLS, normalize=False)
+        self.max_model_len = self._limit(self.config.max_model_len)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.folder))
+        state = read_tensors(weight_files(self.folder), torch.float32)
+        self.model: Encoder = build_encoder(self.encoder_config, state)
+        self.name = model_name(self.config.model or DEFAULT_EMBEDDING_MODEL)
+        self.stats = EmbedderStats()
+
+    @classmethod
+    def from_config(cls, config: EmbeddingConfig) -> Embedder:
+        return cls(**asdict(config))
+
+    @property
+    def dimensions(self) -> int:
+        return self.encoder_config.hidden_size
+
+    def _limit(self, asked: int | None) -> int:
+        positions = self.encoder_config.max_position_embeddings
+        if asked is not None and asked > positions:
+            raise ValueError(f"max_model_len {asked} exceeds {self.folder.name}'s {positions} positions")
+        return asked or min(self.pooling.max_seq_length or positions, positions)
+
+    # ---- inputs → token ids ----------------------------------------------------------------------
+    def tokenize(self, texts: Sequence[str], truncate: int | None = None) -> list[list[int]]:
+        """Each text's token ids, special tokens included, as sentence-transformers tokenizes it.
+        `truncate`: cut each to this many tokens (MAX_TRUNCATE: to the model's limit); without it a
+        text over the limit raises InputTooLong."""
+        limit = self._truncation(truncate)
+        ids: list[list[int]] = self.tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+        if limit is None:
+            self.check_lengths(ids)
+            return ids
+        long = [i for i, seq in enumerate(ids) if len(seq) > limit]
+        if long:  # the tokenizer's own truncation keeps the special tokens at both ends
+            cut = self.tokenizer([texts[i] for i in long], add_special_tokens=True, truncation=True,
+                                 max_length=limit)["input_ids"]
+            for i, seq in zip(long, cut, strict=True):
+                ids[i] = seq
+        return ids
+
+    def token_ids(self, inputs: Sequence[Sequence[int]], truncate: int | None = None) -> list[list[int]]:
+        """Token-id inputs as given (the model's special tokens are the caller's: none are added),
+        checked against the vocabulary and the limit, or cut to `truncate` tokens."""
+        vocab = self.encoder_config.vocab_size
+        for i, seq in enumerate(inputs):
+            bad = next((t for t in seq if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise EmbeddingInputError(i, f"token id {bad} is outside the vocabulary of {self.name} "
+                                          f"(0..{vocab - 1})")
+        limit = self._truncation(truncate)
+        ids = [list(seq) if limit is None else list(seq[:limit]) for seq in inputs]
+        self.check_lengths(ids)
+        return ids
+
+    def _truncation(self, truncate: int | None) -> int | None:
+        if truncate is None:
+            return None
+        if truncate == MAX_TRUNCATE:
+            return self.max_model_len
+        if not 1 <= truncate <= self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len}] "
+                             f"({self.name}'s limit), got {truncate}")
+        return truncate
+
+    def check_lengths(self, ids: Sequence[Sequence[int]]) -> None:
+        for i, seq in enumerate(ids):
+            if not seq:
+                raise EmbeddingInputError(i, "is empty: an embedding needs at least one token")
+            if len(seq) > self.max_model_len:
+                raise InputTooLong(i, f"{len(seq)} tokens, over {self.name}'s limit of {self.max_model_len}; "
+                                   "ask for truncation (truncate_prompt_tokens) to cut it")
+
+    # ---- token ids → vectors ---------------------------------------------------------------------
+    def embed(self, texts: Sequence[str], truncate: int | None = None) -> np.ndarray:
+        """[len(texts), dimensions] float32, in the texts' order."""
+        return self.embed_token_ids(self.tokenize(texts, truncate))
+
+    @torch.inference_mode()
+    def embed_token_ids(self, ids: Sequence[Sequence[int]]) -> np.ndarray:
+        """Vectors of inputs already within the limit (`tokenize` / `token_ids`)."""
+        out = np.empty((len(ids), self.dimensions), dtype=np.float32)
+        lengths = [len(seq) for seq in ids]
+        for batch in length_sorted_batches(lengths, self.config.max_num_batched_tokens, self.config.sort_window):
+            start = time.perf_counter()
+            packed = PackedBatch(torch.tensor([t for i in batch for t in ids[i]], dtype=torch.long),
+                                 [lengths[i] for i in batch])
+            vectors = pool(self.model(packed), packed, self.pooling)
+            out[batch] = vectors.numpy()
+            self._count(packed, time.perf_counter() - start)
+        return out
+
+    def _count(self, packed: PackedBatch, seconds: float) -> None:
+        s = self.stats
+        s.inputs += len(packed.lengths)
+        s.tokens += sum(packed.lengths)
+        s.forwards += 1
+        s.padded_tokens += len(packed.lengths) * packed.longest
+        s.seconds += seconds
+
+
+def embedding_model_folder(model: str | None) -> Path:
+    """--model for embeddings as a folder: None is the default embedding model; a named model is
+    the folder its package installed; a hub id is downloaded (config first: a model this cannot
+    run costs no weight download)."""
+    name = model or DEFAULT_EMBEDDING_MODEL
+    path = Path(name).expanduser()
+    if name in NAMED_MODELS and not path.exists():
+        if not NAMED_MODELS[name].embedding:
+            raise ValueError(f"model {name!r} generates text; the embedding models tokenmill knows by name are "
+                             + ", ".join(n for n, m in NAMED_MODELS.items() if m.embedding))
+        return named_model_path(name)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"embedding model {name!r} is not a folder (a GGUF file generates text)")
+    if looks_like_hub_id(name):
+        return download_folder(name, _refuse_non_encoder)
+    raise FileNotFoundError(f"embedding model {name!r} not found: give a folder, a hub id or "
+                            f"{DEFAULT_EMBEDDING_MODEL}")
+
+
+def _refuse_non_encoder(cfg: dict[str, Any], folder: Path) -> None:
+    EncoderConfig.from_hf(cfg, f"{folder}/config.json")
+
