@@ -18,7 +18,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "tokenmill"
 
 # Each part of tokenmill/ and the parts it may import (besides itself). Arrows only point down:
-# cascade → choose; serve, choose, split → jobs → openai_compat, engines, bench → engine, vllm_engine → models,
+# cascade → choose; serve, choose, split → jobs → openai_compat, engines, bench → engine, embed, vllm_engine → models,
 # plan → cost, environment, formats; jobs, bench → http_client.
 LAYERS: dict[str, set[str]] = {
     "cost": set(),
@@ -29,14 +29,15 @@ LAYERS: dict[str, set[str]] = {
     "plan": {"cost", "environment", "formats"},
     "models": {"environment", "formats"},
     "engine": {"models", "plan", "cost", "environment", "settings"},  # plan: hardware names as prices
+    "embed": {"models", "environment", "settings"},  # the embedding engine: an encoder and its pooling
     "vllm_engine": {"engine", "models", "environment"},  # vLLM behind the engine's interface
     "engines": {"engine", "vllm_engine", "models"},  # which in-process engine: the one loader of a spec
     "bench": {"engines", "engine", "vllm_engine", "models", "plan", "cost", "environment", "openai_compat",
               "http_client"},
-    "openai_compat": {"engine"},
-    "jobs": {"openai_compat", "engines", "engine", "vllm_engine", "models", "plan", "cost", "environment",
+    "openai_compat": {"engine", "embed"},
+    "jobs": {"openai_compat", "engines", "engine", "embed", "vllm_engine", "models", "plan", "cost", "environment",
              "settings", "http_client"},
-    "serve": {"jobs", "openai_compat", "engines", "engine", "vllm_engine", "environment"},
+    "serve": {"jobs", "openai_compat", "engines", "engine", "embed", "vllm_engine", "environment"},
     "choose": {"jobs", "openai_compat", "plan", "cost", "environment"},
     "cascade": {"choose", "jobs", "openai_compat", "plan", "cost", "environment"},  # tiers are choose's candidates
     # `tokenmill split`: run's input reading and part cutting, no backend
@@ -44,7 +45,7 @@ LAYERS: dict[str, set[str]] = {
     "cli": {"settings"},  # loads each command's package by name (importlib), so it imports none of them
     "__main__": {"cli"},
     # `from tokenmill import LLM, run_job`: the facade for users (the Python API), not for the package itself
-    "__init__": {"engine", "jobs", "vllm_engine"},
+    "__init__": {"engine", "embed", "jobs", "vllm_engine"},
 }
 # What code outside engine/ may import from it: the package's exports and the flag helper.
 ENGINE_SURFACE = {"tokenmill.engine", "tokenmill.engine.args"}

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tokenmill.engine import (
@@ -26,7 +28,9 @@ from tokenmill.openai_compat import (
     check_fields,
     check_prompt_size,
     check_structured_outputs,
+    embedding_response_body,
     engine_inputs,
+    parse_embedding_request,
     parse_request,
     response_body,
     sampling_params,
@@ -385,3 +389,49 @@ def test_a_setting_written_as_a_body_field_reads_back_the_same(setting: Structur
     assert structured_outputs({**CHAT, **fields}) == setting
     if setting.json is not None:  # what any OpenAI-compatible server knows, with the name OpenAI requires
         assert fields["response_format"]["json_schema"]["name"]
+
+
+# ---- /v1/embeddings bodies ---------------------------------------------------------------------------
+@pytest.mark.parametrize(("body", "texts", "ids", "listed"), [
+    ({"input": "one text"}, ["one text"], None, False),
+    ({"input": ["a", "b"]}, ["a", "b"], None, True),
+    ({"input": [101, 7, 102]}, None, [[101, 7, 102]], False),
+    ({"input": [[101, 102], [7]]}, None, [[101, 102], [7]], True),
+])
+def test_embedding_inputs_in_each_of_openais_shapes(body: dict[str, Any], texts: list[str] | None,
+                                                     ids: list[list[int]] | None, listed: bool) -> None:
+    request = parse_embedding_request(body)
+    assert (request.texts, request.token_ids, request.listed) == (texts, ids, listed)
+    assert request.encoding_format == "float" and request.dimensions is None
+
+
+@pytest.mark.parametrize(("body", "message", "param"), [
+    ({}, 'missing field "body.input"', "input"),
+    ({"input": ""}, "body.input is an empty string", "input"),
+    ({"input": ["a", ""]}, r"body.input\[1\] is an empty string", "input"),
+    ({"input": []}, "body.input must be a string, a list of strings", "input"),
+    ({"input": ["a", 3]}, "body.input mixes kinds", "input"),
+    ({"input": [[1], [-2]]}, r"body.input\[1\] must be token ids", "input"),
+    ({"input": [[1], []]}, r"body.input\[1\] is an empty list", "input"),
+    ({"input": ["x"] * 2049}, "at most 2048 inputs in one request, got 2049", "input"),
+    ({"input": "a", "encoding_format": "int8"}, "body.encoding_format must be one of float, base64", "encoding_format"),
+    ({"input": "a", "dimensions": 0}, "body.dimensions must be >= 1", "dimensions"),
+    ({"input": "a", "truncate_prompt_tokens": 0}, "body.truncate_prompt_tokens must be -1", "truncate_prompt_tokens"),
+    ({"input": "a\udfff"}, "lone surrogate", "input"),
+])
+def test_bad_embedding_bodies_are_refused_naming_the_field(body: dict[str, Any], message: str, param: str) -> None:
+    with pytest.raises(RequestError, match=message) as info:
+        parse_embedding_request(body)
+    assert info.value.param == param
+
+
+def test_embedding_responses_are_openais_shape() -> None:
+    vectors = np.array([[0.5, -0.25], [1.0, 0.1]], dtype=np.float32)
+    body = embedding_response_body(parse_embedding_request({"input": ["a", "b"]}), vectors, "m", 7)
+    assert body == {"object": "list", "model": "m", "usage": {"prompt_tokens": 7, "total_tokens": 7},
+                    "data": [{"object": "embedding", "index": 0, "embedding": [0.5, -0.25]},
+                             {"object": "embedding", "index": 1, "embedding": [1.0, vectors[1, 1].item()]}]}
+    encoded = embedding_response_body(parse_embedding_request({"input": "a", "encoding_format": "base64"}),
+                                      vectors[:1], "m", 1)
+    decoded = np.frombuffer(base64.b64decode(encoded["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_array_equal(decoded, vectors[0])

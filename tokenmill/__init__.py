@@ -1,7 +1,8 @@
 """tokenmill: throughput-first batch LLM inference.
 
 The Python API, for notebooks and pipelines (README, "Python API"): the offline engine (`LLM`,
-`SamplingParams`), and batch jobs as the command line runs them — a `JobConfig`, a backend spec
+`SamplingParams`), the embedding engine (`Embedder`, `EmbeddingConfig`), and batch jobs as the
+command line runs them — a `JobConfig`, a backend spec
 (`EngineConfig`, `VllmConfig`, `EndpointSpec`, `BatchApiSpec`, `RaySpec`), `build_backend`,
 `run_job`, and the `JobOutcome` it returns.
 """
@@ -12,6 +13,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from tokenmill.embed.config import EmbeddingConfig
+    from tokenmill.embed.embedder import Embedder
     from tokenmill.engine import LLM, EngineConfig, LLMEngine, RequestOutput, SamplingParams, StructuredOutputsParams
     from tokenmill.jobs.backends.batch_api import BatchApiSpec
     from tokenmill.jobs.backends.build import build_backend
@@ -31,6 +34,8 @@ _EXPORTS = {
     **dict.fromkeys(["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
                      "StructuredOutputsParams"], "tokenmill.engine"),
     "VllmConfig": "tokenmill.vllm_engine.config",
+    "Embedder": "tokenmill.embed.embedder",
+    "EmbeddingConfig": "tokenmill.embed.config",
     "EndpointSpec": "tokenmill.jobs.backends.endpoint",
     "BatchApiSpec": "tokenmill.jobs.backends.batch_api",
     "RaySpec": "tokenmill.jobs.backends.ray",
@@ -47,6 +52,8 @@ __all__ = [
     "LLM",
     "BatchApiSpec",
     "DocumentOptions",
+    "Embedder",
+    "EmbeddingConfig",
     "EndpointSpec",
     "EngineConfig",
     "JobConfig",

@@ -9,7 +9,6 @@ little; vectors come back in the inputs' order.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -27,7 +26,7 @@ from tokenmill.models.encoder_config import EncoderConfig
 from tokenmill.models.loader import download_folder, looks_like_hub_id, read_config, read_tensors, weight_files
 from tokenmill.models.pooling import PoolingConfig, PoolingMode, pool
 
-log = logging.getLogger(__name__)
+_NO_TOKENIZER_LIMIT = int(1e30)  # transformers' own "no limit"
 
 class EmbeddingInputError(ValueError):
     """One input the model cannot embed as asked: `index` says which, `reason` why."""
@@ -69,6 +68,7 @@ class Embedder:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.folder))
+        self.tokenizer.model_max_length = _NO_TOKENIZER_LIMIT  # the limit is ours to check, with a clearer message
         state = read_tensors(weight_files(self.folder), torch.float32)
         self.model: Encoder = build_encoder(self.encoder_config, state)
         self.name = model_name(self.config.model or DEFAULT_EMBEDDING_MODEL)

@@ -151,18 +151,9 @@ def encoder_state_dict(hf: dict[str, torch.Tensor], cfg: EncoderConfig) -> dict[
     """A BertModel checkpoint's tensors under Encoder's names, query/key/value joined into one
     projection. ValueError names a tensor that is missing or that nothing reads."""
     hf = {name.removeprefix("bert."): t for name, t in hf.items() if not name.removeprefix("bert.").startswith(_UNUSED)}
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in hf.items():
-        prefix = next((p for p in _EMBEDDING_NAMES if name.startswith(p)), None)
-        if prefix is not None:
-            state[_EMBEDDING_NAMES[prefix] + name[len(prefix):]] = tensor
-            continue
-        layer, _, rest = name.removeprefix("encoder.layer.").partition(".")
-        prefix = next((p for p in _LAYER_NAMES if rest.startswith(p)), None)
-        if name.startswith("encoder.layer.") and prefix is not None:
-            state[f"layers.{layer}.{_LAYER_NAMES[prefix]}{rest[len(prefix):]}"] = tensor
-        elif not (name.startswith("encoder.layer.") and rest.startswith("attention.self.")):
-            raise ValueError(f"tensor {name!r} is not part of a {cfg.num_hidden_layers}-layer BertModel")
+    qkv = {f"encoder.layer.{i}.attention.self.{p}.{kind}" for i in range(cfg.num_hidden_layers)
+           for p in _QKV for kind in ("weight", "bias")}
+    state = {_encoder_name(name, cfg): t for name, t in hf.items() if name not in qkv}
     for i in range(cfg.num_hidden_layers):
         for kind in ("weight", "bias"):
             parts = [f"encoder.layer.{i}.attention.self.{p}.{kind}" for p in _QKV]
@@ -171,6 +162,17 @@ def encoder_state_dict(hf: dict[str, torch.Tensor], cfg: EncoderConfig) -> dict[
                 raise ValueError(f"the checkpoint has no {missing[0]!r}")
             state[f"layers.{i}.attention.qkv.{kind}"] = torch.cat([hf[p] for p in parts])
     return state
+
+
+def _encoder_name(name: str, cfg: EncoderConfig) -> str:
+    prefix = next((p for p in _EMBEDDING_NAMES if name.startswith(p)), None)
+    if prefix is not None:
+        return _EMBEDDING_NAMES[prefix] + name[len(prefix):]
+    layer, _, rest = name.removeprefix("encoder.layer.").partition(".")
+    prefix = next((p for p in _LAYER_NAMES if rest.startswith(p)), None)
+    if not name.startswith("encoder.layer.") or prefix is None:
+        raise ValueError(f"tensor {name!r} is not part of a {cfg.num_hidden_layers}-layer BertModel")
+    return f"layers.{layer}.{_LAYER_NAMES[prefix]}{rest[len(prefix):]}"
 
 
 def build_encoder(cfg: EncoderConfig, hf_state: dict[str, torch.Tensor]) -> Encoder:

@@ -14,11 +14,12 @@ from tokenmill.jobs.backends.batch_parts import (
            check_limits,
 )
 from tokenmill.jobs.backends.build import BackendSpec, build_backend
+from tokenmill.jobs.backends.embedding import EmbeddingBackend
 from tokenmill.jobs.backends.endpoint import EndpointBackend, EndpointSpec
 from tokenmill.jobs.backends.http import RetryPolicy
 from tokenmill.jobs.backends.rate_limit import RateLimit
 from tokenmill.jobs.backends.ray import RayOptions, RaySpec
 
 __all__ = ["OPENAI_MAX_BYTES", "OPENAI_MAX_REQUESTS", "Backend", "BackendSpec", "BackendStats", "BatchApiSpec",
-           "EndpointBackend", "EndpointSpec", "OpenPart", "PartSplitter", "RateLimit", "RayOptions", "RaySpec",
-           "ResultSink", "RetryPolicy", "StopFlag", "build_backend", "check_limits"]
+           "EmbeddingBackend", "EndpointBackend", "EndpointSpec", "OpenPart", "PartSplitter", "RateLimit",
+           "RayOptions", "RaySpec", "ResultSink", "RetryPolicy", "StopFlag", "build_backend", "check_limits"]
