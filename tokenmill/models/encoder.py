@@ -10,6 +10,7 @@ Hugging Face's parameter names are mapped onto these modules by `encoder_state_d
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -17,7 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.models import kernels
+from tokenmill.models.encoder_attention import packed_attention
 from tokenmill.models.encoder_config import EncoderConfig
+from tokenmill.models.quant import install_quantized, quantize
 
 # config.json's hidden_act → the activation (encoder_config.ENCODER_ACTIVATIONS). "gelu" is the
 # exact (erf) one, as transformers' ACT2FN.
@@ -62,6 +66,11 @@ class PackedBatch:
         return self.sequence_of_token * self.longest + self.positions
 
     @cached_property
+    def starts(self) -> torch.Tensor:
+        """[B + 1] int64: sequence i is tokens starts[i] .. starts[i + 1]."""
+        return torch.tensor([0, *itertools.accumulate(self.lengths)], dtype=torch.int64)
+
+    @cached_property
     def key_mask(self) -> torch.Tensor:
         """[B, 1, 1, longest]: True where a key is a real token (padding keys get no weight)."""
         mask = torch.arange(self.longest)[None, :] < torch.tensor(self.lengths)[:, None]
@@ -75,17 +84,24 @@ class Attention(nn.Module):
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)  # query, key, value in one GEMM
         self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.kernel = False  # attend in place with csrc/encoder_attention.c (set by build_encoder)
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-        width = x.shape[1]
         qkv = self.qkv(x)
+        if self.kernel:
+            return self.out(packed_attention(qkv, batch.starts, self.num_heads, self.head_dim))
+        return self.out(self._sdpa(qkv, batch))
+
+    def _sdpa(self, qkv: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """The same attention by PyTorch's SDPA, over the batch padded to its longest sequence."""
+        width = qkv.shape[1] // 3
         if not batch.uniform:  # padded once for q, k and v together
             qkv = qkv.new_zeros(len(batch.lengths) * batch.longest, 3 * width).index_copy_(0, batch.padded_rows, qkv)
         q, k, v = qkv.view(len(batch.lengths), batch.longest, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         mask = None if batch.uniform else batch.key_mask
         heads = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, heads, longest, head_dim]
         heads = heads.transpose(1, 2).reshape(-1, width)
-        return self.out(heads if batch.uniform else heads.index_select(0, batch.padded_rows))
+        return heads if batch.uniform else heads.index_select(0, batch.padded_rows)
 
 
 class EncoderLayer(nn.Module):
@@ -175,7 +191,11 @@ def _encoder_name(name: str, cfg: EncoderConfig) -> str:
     return f"layers.{layer}.{_LAYER_NAMES[prefix]}{rest[len(prefix):]}"
 
 
-def build_encoder(cfg: EncoderConfig, hf_state: dict[str, torch.Tensor]) -> Encoder:
+def build_encoder(cfg: EncoderConfig, hf_state: dict[str, torch.Tensor], weight_bits: int | None = None,
+                  attention_kernel: bool = True) -> Encoder:
+    """`weight_bits` 8: every linear layer in 8-bit blocks through the quantised GEMM (models/quant.py,
+    activations quantised per block as they arrive); None: fp32, exact. `attention_kernel`: attend
+    with the C kernel where it builds (else, or False, with SDPA)."""
     with torch.device("meta"):
         model = Encoder(cfg)
     state = {name: t.float() for name, t in encoder_state_dict(hf_state, cfg).items()}
@@ -183,4 +203,11 @@ def build_encoder(cfg: EncoderConfig, hf_state: dict[str, torch.Tensor]) -> Enco
     if missing or unexpected:
         raise ValueError(f"the weights do not match a {cfg.num_hidden_layers}-layer BertModel "
                          f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    if weight_bits is not None:
+        install_quantized(model, {f"{name}.weight": quantize(module.weight, weight_bits)
+                                  for name, module in model.named_modules() if isinstance(module, nn.Linear)})
+    use_kernel = (attention_kernel and kernels.supports(torch.device("cpu"), torch.float32)
+                  and (cfg.hidden_size // cfg.num_attention_heads) % 8 == 0)  # the kernel's vectors of 8
+    for layer in model.layers:
+        layer.attention.kernel = use_kernel
     return model.eval()

@@ -18,15 +18,20 @@ next, under one fixed schema, so the parts of a job (and of every job) concatena
 | `metadata` | map<string, string> | a CSV row's other columns (null for other inputs) |
 
 A value the row does not have is null. Errors stay JSONL (errors.jsonl): parts hold results.
+An embedding job's parts have one more column, what a vector store ingests: `embedding`,
+fixed_size_list<float32>[dimensions], the row's vector (`data[0].embedding`); null for a row with
+several inputs, whose vectors are in `body`.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterable, Iterator
 from itertools import islice
 from typing import Any, BinaryIO
 
+import numpy as np
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -46,20 +51,54 @@ ROW_GROUP = 10_000  # rows parsed and written at a time: a part is never held in
 def write_parquet(lines: Iterable[bytes], f: BinaryIO) -> int:
     """Write JSONL result rows (the journal's lines) to `f` as one parquet file; returns the rows."""
     rows = 0
-    with pq.ParquetWriter(f, SCHEMA, compression="zstd") as writer:
+    writer: pq.ParquetWriter | None = None
+    try:
         for batch in _batches(iter(lines), ROW_GROUP):
-            writer.write_table(table([_loads(line) for line in batch]))
+            part = table([_loads(line) for line in batch])
+            writer = writer or pq.ParquetWriter(f, part.schema, compression="zstd")
+            writer.write_table(_conformed(part, writer.schema))
             rows += len(batch)
+    finally:
+        if writer is not None:
+            writer.close()
+    if writer is None:
+        pq.write_table(table([]), f, compression="zstd")
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> pa.Table:
-    """Batch output rows as a table of `SCHEMA`."""
+    """Batch output rows as a table of `SCHEMA`, and `embedding` where they hold vectors."""
     columns: dict[str, list[Any]] = {name: [] for name in SCHEMA.names}
     for row in rows:
         for name, value in _columns(row).items():
             columns[name].append(value)
-    return pa.table(columns, schema=SCHEMA)
+    result = pa.table(columns, schema=SCHEMA)
+    vectors = [_vector(row) for row in rows]
+    size = next((len(v) for v in vectors if v is not None), None)
+    if size is None:
+        return result
+    return result.append_column(pa.field("embedding", pa.list_(pa.float32(), size)),
+                                pa.array(vectors, type=pa.list_(pa.float32(), size)))
+
+
+def _conformed(part: pa.Table, schema: pa.Schema) -> pa.Table:
+    """A later row group in the part's first schema: its `embedding` column added (all null) when
+    its rows hold none, or that of another size refused by the cast."""
+    if "embedding" in schema.names and "embedding" not in part.schema.names:
+        part = part.append_column(schema.field("embedding"), pa.nulls(part.num_rows, schema.field("embedding").type))
+    return part.cast(schema)
+
+
+def _vector(row: dict[str, Any]) -> list[float] | None:
+    """The row's one embedding, as floats (a base64 one decoded); None for none or several."""
+    body = (row.get("response") or {}).get("body")
+    data = body.get("data") if isinstance(body, dict) and body.get("object") == "list" else None
+    if not isinstance(data, list) or len(data) != 1 or not isinstance(data[0], dict):
+        return None
+    vector = data[0].get("embedding")
+    if isinstance(vector, str):
+        return np.frombuffer(base64.b64decode(vector), dtype="<f4").tolist()
+    return vector if isinstance(vector, list) else None
 
 
 def _columns(row: dict[str, Any]) -> dict[str, Any]:
