@@ -30,7 +30,8 @@ LAYERS: dict[str, set[str]] = {
     "models": {"environment", "formats"},
     "engine": {"models", "plan", "cost", "environment", "settings"},  # plan: hardware names as prices
     "embed": {"models", "environment", "settings"},  # the embedding engine: an encoder and its pooling
-    "vllm_engine": {"engine", "models", "environment"},  # vLLM behind the engine's interface
+    # vLLM behind the engine's interface; args.py: every in-process engine's flags → its spec
+    "vllm_engine": {"engine", "embed", "models", "environment", "settings"},
     "engines": {"engine", "vllm_engine", "models"},  # which in-process engine: the one loader of a spec
     "bench": {"engines", "engine", "vllm_engine", "models", "plan", "cost", "environment", "openai_compat",
               "http_client"},

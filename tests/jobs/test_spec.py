@@ -24,7 +24,7 @@ def test_every_bad_batch_line_is_reported_by_number(tmp_path: Path) -> None:
     rows = [
         good,                                                        # 1
         batch_line("r-2", "fine"),                                   # 2
-        {**batch_line("r-3", "x"), "url": "/v1/embeddings"},         # 3
+        {**batch_line("r-3", "x"), "url": "/v1/responses"},          # 3
         '{"custom_id": "r-4" "url": 1}',                             # 4
         [1, 2],                                                      # 5
         {**batch_line("r-6", "x"), "method": "GET"},                 # 6
@@ -47,7 +47,7 @@ def test_every_bad_batch_line_is_reported_by_number(tmp_path: Path) -> None:
     assert spec.format == "batch"
     assert [e.custom_id for e in spec.entries] == ["r-1", "r-2"]
     assert [e.message for e in spec.errors] == [
-        'line 3: unknown url "/v1/embeddings" (supported: /v1/chat/completions, /v1/completions)',
+        'line 3: unknown url "/v1/responses" (supported: /v1/chat/completions, /v1/completions, /v1/embeddings)',
         "line 4: not JSON (Expecting ',' delimiter at column 21)",
         "line 5: expected a JSON object, got a list",
         'line 6: method "GET" is not supported (only "POST")',

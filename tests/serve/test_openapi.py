@@ -15,8 +15,11 @@ from click.testing import CliRunner
 from hypothesis.configuration import set_hypothesis_home_dir
 from schemathesis.cli import schemathesis as schemathesis_cli
 
-from tests.serve.conftest import MODEL, Running
+from tests.serve.conftest import MODEL, Running, serving
+from tokenmill.embed.embedder import Embedder
 from tokenmill.openai_compat import (
+    EMBEDDING_FIELDS,
+    EMBEDDINGS_URL,
     RESPONSE_FORMAT_TYPES,
     STRUCTURED_FIELDS,
     STRUCTURED_OUTPUTS_FIELDS,
@@ -24,6 +27,13 @@ from tokenmill.openai_compat import (
 )
 
 ERROR_SCHEMA = {"$ref": "#/components/schemas/ErrorBody"}
+
+
+@pytest.fixture(scope="module")
+def embedding_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    """The same routes over an embedding model, served as MODEL too."""
+    with serving(Embedder(), tmp_path_factory.mktemp("embed-state")) as running:
+        yield running
 
 
 def operations(description: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
@@ -45,6 +55,7 @@ def test_the_description_declares_the_errors_the_server_answers(server: Running)
     for route in ("/v1/completions", "/v1/chat/completions"):
         assert paths[route]["post"]["responses"]["200"]["content"].keys() == {"application/json", "text/event-stream"}
         assert {"400", "404", "413"} <= paths[route]["post"]["responses"].keys()
+    assert paths[EMBEDDINGS_URL]["post"]["responses"]["200"]["content"].keys() == {"application/json"}
     health = paths["/health"]["get"]["responses"]
     assert "content" not in health["200"] and "content" not in health["503"]  # empty bodies
     assert paths["/metrics"]["get"]["responses"]["200"]["content"].keys() == {"text/plain"}
@@ -68,6 +79,10 @@ def test_the_structured_output_fields_are_declared_as_openai_compat_reads_them(s
     assert response_format["properties"]["json_schema"]["required"] == ["schema"]  # `name` may be left out
     assert tuple(structured_outputs["properties"]) == STRUCTURED_OUTPUTS_KINDS
     assert structured_outputs["additionalProperties"] is False  # vLLM's other options are refused
+    embedding = schemas["EmbeddingBody"]
+    assert embedding["required"] == ["model", "input"]
+    for field in EMBEDDING_FIELDS:
+        assert {k: v for k, v in embedding["properties"][field.name].items() if k != "title"} == field.schema
     assert STRUCTURED_OUTPUTS_FIELDS == ("response_format", "structured_outputs", "guided_json", "guided_choice",
                                          "guided_regex", "guided_grammar")
 
@@ -97,13 +112,15 @@ CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conform
 
 
 def short_completion(body: Any) -> Any:
-    """A generated completion body, made to reach the model and to keep it brief: it names the
-    served model (a random one is a 404 before anything else is looked at) and asks for at most
-    MAX_TOKENS tokens. Everything else is left as generated, invalid values included."""
-    if not isinstance(body, dict) or not {"prompt", "messages"} & body.keys():
+    """A generated completion (or embeddings) body, made to reach the model and to keep it brief:
+    it names the served model (a random one is a 404 before anything else is looked at) and asks
+    for at most MAX_TOKENS tokens. Everything else is left as generated, invalid values included."""
+    if not isinstance(body, dict) or not {"prompt", "messages", "input"} & body.keys():
         return body
     if isinstance(body.get("model"), str):
         body["model"] = MODEL
+    if "input" in body:  # an embedding: nothing to cut short
+        return body
     if not {"max_tokens", "max_completion_tokens"} & body.keys():
         body["max_tokens"] = MAX_TOKENS  # the default, 256, takes seconds
     for key in ("max_tokens", "max_completion_tokens"):
@@ -132,10 +149,13 @@ def scratch_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Non
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("served", ["server", "embedding_server"])
 def test_schemathesis_finds_nothing_the_description_does_not_allow(
-        server: Running, completion_hook: None, scratch_dir: None) -> None:
-    """`schemathesis run` (its CLI, in this process) over the live server: all its phases (examples,
-    boundary values and unexpected methods, random requests, valid and not), with a fixed seed."""
+        served: str, request: pytest.FixtureRequest, completion_hook: None, scratch_dir: None) -> None:
+    """`schemathesis run` (its CLI, in this process) over the live server, a generation model's
+    and an embedding model's: all its phases (examples, boundary values and unexpected methods,
+    random requests, valid and not), with a fixed seed."""
+    server: Running = request.getfixturevalue(served)
     result = CliRunner().invoke(schemathesis_cli, [
         "--no-color", "run", f"{server.url}/openapi.json", "--checks", ",".join(CHECKS), "--seed", str(SEED),
         "--max-examples", str(EXAMPLES), "--generation-database", "none"])

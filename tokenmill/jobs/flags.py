@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.embed.config import EmbeddingConfig, is_embedding_model
-from tokenmill.engine import EngineConfig
 from tokenmill.engine.args import (
     add_engine_arguments,
     add_structured_output_arguments,
@@ -25,7 +24,8 @@ from tokenmill.jobs.input.request import DocumentOptions
 from tokenmill.jobs.storage import Location, location
 from tokenmill.openai_compat import structured_outputs_body
 from tokenmill.settings import add_setting_arguments, flag_of, given_settings, in_flags, name_flags, settings_of
-from tokenmill.vllm_engine.args import add_engine_choice, engine_spec
+from tokenmill.vllm_engine import args as vllm_args
+from tokenmill.vllm_engine.args import EMBEDDING_ENGINE_SETTINGS, add_engine_choice, engine_spec
 
 if TYPE_CHECKING:
     from tokenmill.jobs.backends.build import BackendSpec
@@ -35,9 +35,6 @@ JOB_OUTPUT_SETTINGS = ("errors", "input_format", "output_format", "part_rows", "
 JOB_RUNNING_SETTINGS = ("order", "strict", "overwrite", "price_per_hour", "progress")
 CSV_SETTINGS = ("prompt_column", "id_column")
 DOCUMENT_SETTINGS = ("system", "template", "max_tokens", "temperature", "completions", "embed")
-# The engine flags an embedding model takes (as EmbeddingConfig's fields of the same names); the
-# others are the generation engine's, refused by name with an embedding model.
-EMBEDDING_ENGINE_SETTINGS = ("model", "max_model_len", "num_threads", "max_num_batched_tokens", "weight_format")
 # Every type a `tokenmill run` flag sets a field of (the engine's are engine/args.py's).
 SETTINGS_TYPES = (JobConfig, DocumentOptions, EndpointSpec, RateLimit, RetryPolicy, BatchApiSpec, RayOptions)
 
@@ -176,21 +173,14 @@ def backend_spec(args: argparse.Namespace) -> BackendSpec:
 
 
 def embedding_spec(args: argparse.Namespace) -> EmbeddingConfig:
-    """An embedding model in this process. The generation engine's flags (and vLLM's, and Ray's,
-    which do not run embeddings yet) are refused by name rather than silently ignored."""
-    generation = [flag_of(f) for f in settings_of(EngineConfig)
-                  if f.name not in EMBEDDING_ENGINE_SETTINGS and getattr(args, f.name, None) is not None]
-    if args.engine == "vllm" or args.ray:
-        generation.insert(0, "--engine vllm" if args.engine == "vllm" else "--ray")
-    if generation:
-        raise ValueError(f"{', '.join(generation)}: not for an embedding model (it takes "
-                         f"{', '.join(flag_of(f) for f in settings_of(EmbeddingConfig))})")
+    """An embedding model in this process (Ray replicas do not embed yet: --ray is refused)."""
+    spec = vllm_args.embedding_spec(args, ["--ray"] if args.ray else [])
     model = args.model
     if model is not None and not is_embedding_model(model) and not (
             not Path(model).expanduser().exists() and _looks_like_hub_id(model)):  # a hub id: its config tells, at load
         raise ValueError(f"--embed: --model {model} is not an embedding model (a sentence-transformers or BERT "
                          "folder, or all-minilm-l6-v2)")
-    return EmbeddingConfig(**given_settings(args, EmbeddingConfig))
+    return spec
 
 
 def _endpoint_spec(args: argparse.Namespace, url: str) -> EndpointSpec:

@@ -30,9 +30,6 @@ from tokenmill.serve.state import ServeState
 
 OPEN_PATHS = ("/health",)  # the only route that needs no API key (load balancers probe it)
 OPENAPI_PATH = "/openapi.json"
-# A completion with `"stream": true` answers in server-sent events, not JSON.
-EVENT_STREAM = {200: {"description": "the completion: JSON, or server-sent events with `stream`",
-                      "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 class OutputExpiresAfter(BaseModel):
@@ -77,12 +74,11 @@ def create_app(state: ServeState) -> FastAPI:
     app.add_middleware(BodyLimit, max_request_bytes=state.max_request_bytes, max_upload_bytes=state.max_upload_bytes)
     if state.api_key is not None:  # added last, so it runs first: no key, no word about the body's size either
         app.add_middleware(ApiKeyCheck, api_key=state.api_key, open_paths=OPEN_PATHS)
-    app.include_router(openai_api.router(state), responses={**error_responses(400, 404, 413, 415),
-                                                                         **EVENT_STREAM})
+    app.include_router(openai_api.router(state), responses=error_responses(400, 404, 413, 415))
 
-    @app.get("/health", response_class=Response, responses={503: {"description": "the engine loop has stopped"}})
+    @app.get("/health", response_class=Response, responses={503: {"description": "the model has stopped answering"}})
     async def health() -> Response:
-        return Response(status_code=200 if state.loop.alive else 503)
+        return Response(status_code=200 if state.alive else 503)
 
     # response_class=Response: a text/plain one would have FastAPI declare the JSON errors as text too.
     text = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}

@@ -73,6 +73,14 @@ def prompt_chars(body: dict[str, Any]) -> int:
     return SHORT_PROMPT_CHARS + 1
 
 
+def check_body_model(body: dict[str, Any], served: str) -> None:
+    """A body naming another model than the served one is refused (RequestError): a Batch API
+    line's model reaches no route's check."""
+    model = body.get("model")
+    if model is not None and model != served:
+        raise RequestError(f"body.model {model!r} is not served here (this server serves {served!r})", "model")
+
+
 class ServingBackend:
     kind = "serve"
 
@@ -95,10 +103,7 @@ class ServingBackend:
             if self.endpoint and request.url != self.endpoint:
                 raise RequestError(f"url {request.url!r} differs from the batch's endpoint {self.endpoint!r}")
             parsed = request.parsed if parsed is None else parsed  # first: broken text is named as such
-            model = request.body.get("model")
-            if model is not None and model != self.model:
-                raise RequestError(f"body.model {model!r} is not served here (this server serves {self.model!r})",
-                                   "model")
+            check_body_model(request.body, self.model)
             self._hold_to_max_tokens_limit(request.body, parsed)
             check_structured_outputs(parsed, self.llm)  # a Batch API line's bad schema: refused up front
 

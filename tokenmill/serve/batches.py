@@ -1,5 +1,6 @@
 """The Batch API: files and batches kept on disk, each batch run by the job runner (`run_job`)
-on the server's engine loop, so it is validated, written and resumed exactly like `tokenmill run`.
+on the server's engine loop (or its embedding model), so it is validated, written and resumed exactly
+like `tokenmill run`.
 
 Layout under the state directory:
   files/<file_id>.json         the file object (+ where its bytes are)
@@ -29,7 +30,7 @@ from typing import Any, BinaryIO
 from rich.console import Console
 
 from tokenmill.jobs import JobConfig, JobError, run_job
-from tokenmill.jobs.backends import StopFlag
+from tokenmill.jobs.backends import Backend, StopFlag
 from tokenmill.jobs.input import DocumentOptions, InputFile, LineError, json_object_line, read_input
 from tokenmill.jobs.journal import JsonlAppender, OutputPaths
 from tokenmill.jobs.results import error_row, read_rows, usage_of
@@ -45,7 +46,6 @@ from tokenmill.openai_compat import (
     json_path,
     new_id,
 )
-from tokenmill.serve.backend import ServingBackend
 from tokenmill.serve.errors import APIError, bad_request, from_value_error
 from tokenmill.serve.limits import too_large
 
@@ -194,12 +194,15 @@ def public(obj: dict[str, Any]) -> dict[str, Any]:
 class BatchManager:
     """Batches run one at a time, in creation order, on a worker thread."""
 
-    def __init__(self, root: Path, files: FileStore, make_backend: Callable[[str, str], ServingBackend],
-                 model: str, clock: Clock = time.time) -> None:
-        """`model`: the served model, which runs every batch; `clock`: Unix time, for deadlines."""
+    def __init__(self, root: Path, files: FileStore, make_backend: Callable[[str, str], Backend],
+                 model: str, check_endpoint: Callable[[str], None], clock: Clock = time.time) -> None:
+        """`make_backend(batch_id, endpoint)`: what runs a batch; `model`: the served model, which runs
+        every batch; `check_endpoint`: the 400 for an endpoint it does not answer; `clock`: Unix
+        time, for deadlines."""
         self.root = root / "batches"
         self.root.mkdir(parents=True, exist_ok=True)
         self.files, self._make_backend, self.model, self._clock = files, make_backend, model, clock
+        self._check_endpoint = check_endpoint
         self._lock = threading.RLock()  # status changes come from the worker and from cancel
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._stops: dict[str, StopFlag] = {}  # the running batch's stop flag
@@ -231,6 +234,7 @@ class BatchManager:
                output_expires_after: dict[str, Any] | None = None) -> dict[str, Any]:
         if endpoint not in SUPPORTED_URLS:
             raise bad_request(f"endpoint must be one of {list(SUPPORTED_URLS)}, got {endpoint!r}", param="endpoint")
+        self._check_endpoint(endpoint)
         if completion_window not in COMPLETION_WINDOWS:
             raise bad_request(f"completion_window must be one of {list(COMPLETION_WINDOWS)}, got {completion_window!r}",
                               param="completion_window")
@@ -353,7 +357,7 @@ class BatchManager:
         threading.Thread(target=watch, name="tokenmill-batch-deadline", daemon=True).start()
         return job_over
 
-    def _run_job(self, batch_id: str, input_path: Path, backend: ServingBackend, stop: StopFlag) -> None:
+    def _run_job(self, batch_id: str, input_path: Path, backend: Backend, stop: StopFlag) -> None:
         config = JobConfig(input=input_path, output=self.root / batch_id, input_format="batch", progress=False)
         try:
             run_job(config, backend, console=Console(quiet=True), stop=stop)

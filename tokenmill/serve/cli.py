@@ -1,15 +1,26 @@
-"""``tokenmill serve``: flags → an engine spec (the embedded engine, or vLLM's with --engine vllm) →
-the loaded model behind the OpenAI routes; the work is in app.py and engine_loop.py."""
+"""``tokenmill serve``: flags → an engine spec (the embedded engine, or vLLM's with --engine vllm),
+or an embedding model's settings → the loaded model behind the OpenAI routes; the work is in
+app.py, engine_loop.py and embeddings.py."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from tokenmill.embed.config import is_embedding_model
 from tokenmill.engine.args import add_engine_arguments
 from tokenmill.environment import SERVER_API_KEY_ENV, cache_root, model_name, server_api_key
 from tokenmill.serve.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_UPLOAD_BYTES
-from tokenmill.vllm_engine.args import add_engine_choice, engine_spec
+from tokenmill.vllm_engine.args import add_engine_choice, embedding_spec, engine_spec
+
+if TYPE_CHECKING:
+    from tokenmill.embed.config import EmbeddingConfig
+    from tokenmill.embed.embedder import Embedder
+    from tokenmill.engine import InProcessModel
+
+# Live requests go ahead of Batch API lines under "priority" (vLLM schedules by it too).
+ENGINE_DEFAULTS = {"scheduling_policy": "priority"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve no /docs, /redoc or /openapi.json (with --api-key they need the key too)")
     add("--log-level", default="info")
     add_engine_choice(parser)
-    # Live requests go ahead of Batch API lines under "priority" (vLLM schedules by it too).
-    add_engine_arguments(parser, defaults={"scheduling_policy": "priority"})
+    add_engine_arguments(parser, defaults=ENGINE_DEFAULTS, help={
+        "model": "GGUF file, HF folder or hub id (default: the embedded SmolLM2), or an embedding model (a "
+                 "sentence-transformers / BERT folder, all-minilm-l6-v2): it answers /v1/embeddings instead"})
 
 
 def _positive_int(text: str) -> int:
@@ -54,13 +66,12 @@ def _positive_int(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from tokenmill.engines import load_engine
     from tokenmill.serve.app import create_app
     from tokenmill.serve.state import ServeState, hold_state_dir
 
     state_dir = args.state_dir.expanduser()
     with hold_state_dir(state_dir):
-        llm = load_engine(engine_spec(args))
+        llm = _load_model(args)
         state = ServeState(
             llm, model_name=args.served_model_name or model_name(args.model), state_dir=state_dir,
             api_key=server_api_key(args.api_key), max_request_bytes=args.max_request_bytes,
@@ -70,5 +81,22 @@ def run(args: argparse.Namespace) -> int:
         try:
             uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
         finally:
-            llm.engine.close()  # vLLM's engine process goes with the server, not at interpreter exit
+            if state.loop:
+                state.loop.engine.close()  # vLLM's engine process goes with the server, not at interpreter exit
     return 0
+
+
+def _load_model(args: argparse.Namespace) -> InProcessModel | Embedder:
+    if is_embedding_model(args.model):
+        from tokenmill.embed.embedder import Embedder
+
+        return Embedder.from_config(_embedding_config(args))
+    from tokenmill.engines import load_engine
+
+    return load_engine(engine_spec(args))
+
+
+def _embedding_config(args: argparse.Namespace) -> EmbeddingConfig:
+    """An embedding model's settings; --max-tokens-limit, a generation limit, is refused by name."""
+    refused = ["--max-tokens-limit"] if args.max_tokens_limit is not None else []
+    return embedding_spec(args, refused, command_defaults=frozenset(ENGINE_DEFAULTS))

@@ -1,7 +1,7 @@
 """`/v1/completions` and `/v1/chat/completions`: OpenAI bodies in, engine outputs back as JSON
-or server-sent events. Validation, prompts and response bodies are openai_compat's, as for a
-batch job; this module adds what only a live connection has: streaming deltas and client
-disconnects."""
+or server-sent events; and `/v1/embeddings` (embeddings.py runs it). Validation, prompts and
+response bodies are openai_compat's, as for a batch job; this module adds what only a live
+connection has: streaming deltas and client disconnects."""
 
 from __future__ import annotations
 
@@ -19,11 +19,15 @@ from tokenmill.engine import RequestOutput
 from tokenmill.openai_compat import (
     CHAT_URL,
     COMPLETIONS_URL,
+    EMBEDDING_FIELDS,
+    EMBEDDINGS_URL,
+    BodyField,
     LiveRequest,
     RequestError,
     body_fields,
     check_text,
     new_response_id,
+    parse_embedding_request,
     usage,
 )
 from tokenmill.serve.backend import Prepared, RequestStream
@@ -61,17 +65,28 @@ class _ChatFields(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
-def _with_body_fields(name: str, base: type[_Body], url: str) -> Any:
+class _EmbeddingFields(BaseModel):
+    model_config = ConfigDict(extra="allow")  # `user` and the like, which openai_compat ignores
+    model: str
+
+
+def _with_body_fields(name: str, base: type[BaseModel], fields: tuple[BodyField, ...],
+                      required: tuple[str, ...] = ()) -> Any:
     """`base` with the endpoint's body fields (openai_compat.body_fields: its sampling and
-    structured-output fields): described in the schema as the tables write them, and checked once,
-    by the tables' checks, as a batch line is, with the same messages (so not here: a value of any
-    type reaches them)."""
-    fields: dict[str, Any] = {f.name: (Annotated[Any, WithJsonSchema(f.schema)], None) for f in body_fields(url)}
-    return create_model(name, __base__=base, **fields)
+    structured-output fields; EMBEDDING_FIELDS): described in the schema as the tables write them,
+    and checked once, by the tables' checks, as a batch line is, with the same messages (so not
+    here: a value of any type reaches them). `required`: those a body must have."""
+    declared: dict[str, Any] = {f.name: (Annotated[Any, WithJsonSchema(f.schema)], ... if f.name in required else None)
+                                for f in fields}
+    return create_model(name, __base__=base, **declared)
 
 
-CompletionBody = _with_body_fields("CompletionBody", _CompletionFields, COMPLETIONS_URL)
-ChatBody = _with_body_fields("ChatBody", _ChatFields, CHAT_URL)
+CompletionBody = _with_body_fields("CompletionBody", _CompletionFields, body_fields(COMPLETIONS_URL))
+ChatBody = _with_body_fields("ChatBody", _ChatFields, body_fields(CHAT_URL))
+EmbeddingBody = _with_body_fields("EmbeddingBody", _EmbeddingFields, EMBEDDING_FIELDS, required=("input",))
+# A completion with `"stream": true` answers in server-sent events, not JSON.
+EVENT_STREAM = {200: {"description": "the completion: JSON, or server-sent events with `stream`",
+                      "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 # Handled here (streaming), or OpenAI fields that do not change the answer.
@@ -81,16 +96,30 @@ IGNORED_FIELDS = {"stream", "stream_options", "user", "metadata", "store", "serv
 def router(state: ServeState) -> APIRouter:
     api = APIRouter()
 
-    @api.post("/v1/completions")
+    @api.post(COMPLETIONS_URL, responses=EVENT_STREAM)
     async def completions(body: CompletionBody, request: Request) -> Any:  # type: ignore[valid-type]
+        state.check_serves(COMPLETIONS_URL)
         data = _engine_fields(body)
         data["prompt"] = _one_prompt(body.prompt)
         return await _serve(state, request, body, LiveRequest(new_response_id(COMPLETIONS_URL), COMPLETIONS_URL, data))
 
-    @api.post("/v1/chat/completions")
+    @api.post(CHAT_URL, responses=EVENT_STREAM)
     async def chat_completions(body: ChatBody, request: Request) -> Any:  # type: ignore[valid-type]
+        state.check_serves(CHAT_URL)
         live = LiveRequest(new_response_id(CHAT_URL), CHAT_URL, _engine_fields(body))
         return await _serve(state, request, body, live)
+
+    @api.post(EMBEDDINGS_URL)
+    async def embeddings(body: EmbeddingBody) -> dict[str, Any]:  # type: ignore[valid-type]
+        state.check_serves(EMBEDDINGS_URL)
+        try:
+            # Every field's text checked before check_model quotes a value back, as in _engine_fields.
+            parsed = parse_embedding_request(body.model_dump(exclude_none=True))
+            state.check_model(body.model)
+            assert state.embeddings is not None  # check_serves: an embedding model
+            return await state.embeddings.respond(parsed)
+        except RequestError as exc:  # a bad field, or an input the model cannot embed as asked
+            raise from_value_error(exc) from None
 
     return api
 
@@ -119,6 +148,7 @@ def _one_prompt(prompt: Any) -> Any:
 
 async def _serve(state: ServeState, request: Request, body: _Body, req: LiveRequest) -> Any:
     state.check_model(body.model)
+    assert state.backend is not None  # check_serves: a generation model
     try:
         prepared = await state.backend.prepare_off_loop(req)
     except ValueError as exc:  # too long for the context, bad sampling values, unsupported fields

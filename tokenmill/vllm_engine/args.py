@@ -1,5 +1,6 @@
 """`--engine` and the vLLM engine's flags, shared by `tokenmill run`, `serve`, `bench` and `choose`
-candidates, and the one place the engine flags become an engine spec (`engine_spec`).
+candidates, and the one place the engine flags become an engine spec (`engine_spec`; an embedding
+model's `EmbeddingConfig`: `embedding_spec`).
 
 vLLM has a hundred engine arguments; they are not copied here one by one. The common ones have
 flags, any other passes through `--engine-arg KEY=VALUE`, and tokenmill's own engine flags that
@@ -13,11 +14,16 @@ import argparse
 import json
 from typing import Any
 
+from tokenmill.embed.config import EmbeddingConfig
 from tokenmill.engine import EngineConfig, EngineSpec
 from tokenmill.engine.args import engine_settings, flag
+from tokenmill.settings import flag_of, given_settings, settings_of
 from tokenmill.vllm_engine.config import NAMED_ARGS, VllmConfig, vllm_has
 
 ENGINES = ("embedded", "vllm")
+# The engine flags an embedding model takes (EmbeddingConfig's fields of the same names); the
+# generation engine's others are refused by name with an embedding model.
+EMBEDDING_ENGINE_SETTINGS = ("model", "max_model_len", "num_threads", "max_num_batched_tokens", "weight_format")
 
 
 def add_engine_choice(parser: argparse.ArgumentParser, several: bool = False) -> None:
@@ -84,3 +90,20 @@ def parse_engine_args(items: list[str]) -> dict[str, Any]:
             value = text
         parsed[key.strip().replace("-", "_")] = value
     return parsed
+
+
+def embedding_spec(args: argparse.Namespace, refused: list[str] | None = None,
+                   command_defaults: frozenset[str] = frozenset()) -> EmbeddingConfig:
+    """An embedding model in this process, from the engine flags it shares with the generation
+    engine. The generation engine's other flags (and vLLM's, which does not embed here yet, and
+    `refused`: the command's own that cannot apply) raise ValueError naming them, rather than being
+    ignored. `command_defaults`: engine settings the command sets itself, not the user."""
+    given = engine_settings(args).keys() - set(EMBEDDING_ENGINE_SETTINGS) - command_defaults
+    flags = [flag_of(f) for f in settings_of(EngineConfig) if f.name in given]
+    if args.engine == "vllm":
+        flags.insert(0, "--engine vllm")
+    flags += refused or []
+    if flags:
+        takes = [flag_of(f) for f in settings_of(EmbeddingConfig) if f.name in EMBEDDING_ENGINE_SETTINGS]
+        raise ValueError(f"{', '.join(flags)}: not for an embedding model (it takes {', '.join(takes)})")
+    return EmbeddingConfig(**given_settings(args, EmbeddingConfig))

@@ -20,7 +20,10 @@
 
 #include "vec8.h"
 
-enum { ROWS = 16, VECS = ROWS / 8, KEY_STEP = 4 };
+#ifndef ENCODER_ROWS
+#define ENCODER_ROWS 16 /* queries a tile: fewer wasted lanes on short inputs, more reuse of K on long */
+#endif
+enum { ROWS = ENCODER_ROWS, VECS = ROWS / 8, KEY_STEP = 4 };
 
 /* s[j] = q·k_j for keys [0, L) of one head, KEY_STEP keys at a time to reuse each query load. */
 static void tile_scores(const float *qt, const float *k, int64_t stride, int L, int D, vec8 *s) {
