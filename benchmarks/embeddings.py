@@ -19,14 +19,16 @@ the job, which a user pays for with every run), on --threads threads:
                               sentence-transformers batches), mean pooling and normalising in numpy
   onnxruntime int8            the same on quantize_dynamic(QInt8 weights) of that export
   tokenmill Embedder          Embedder().embed(texts) in this process, default settings (fp32)
+  tokenmill Embedder q8       the same with weight_format="q8" (linear layers on the 8-bit GEMM)
   tokenmill run --embed       `tokenmill run TEXTS.txt -o OUT --embed --overwrite --num-threads T` as a
                               subprocess, start to exit: the job layer's cost; summary.json's figures too
+  llama.cpp llama-embedding   the model converted to an f32 GGUF by llama.cpp's converter, the text file
+                              in one run, start to exit (where benchmarks/setup_llamacpp.sh built it)
 One at a time, in --rounds rounds, the order rotated each round so that drift hits all of them; the
 table holds the medians of the rounds, and ratios are the medians of each round's ratios (to
 sentence-transformers b32 and to onnxruntime fp32 measured in the same round). Cosines: each row's
 vector against sentence-transformers b32's (all normalised), min and mean. Before the rounds, a sweep
 of max_num_batched_tokens for the Embedder, measured once each on the sweep subset.
-llama.cpp's `llama-embedding` is not measured: see llama_cpp_contender, the hook for it.
 Every number carries the CPU seconds other processes used meanwhile (a busy machine ruins CPU
 benchmarks). Writes embeddings.{json,md,png} to --out (benchmarks/results).
 """
@@ -66,6 +68,11 @@ MEDIAN_TOKENS, SIGMA = 26, 0.8  # the lognormal's; redrawing under MIN_TOKENS li
 ST_DEFAULT_BATCH = 32
 ST_BATCHES, BUDGETS = (16, 32, 64, 128), (512, 1024, 2048, 4096)
 WARM_TEXTS = 64
+# llama-embedding's batch (-b, -ub and the context alike): it attends over a whole micro-batch under a
+# mask, so larger ones cost more (256-2048 tried: 512 was about the fastest); 512 holds the longest
+# input of the workload.
+LLAMA_BATCH = ("-b", "512", "-ub", "512", "-c", "512")
+LLAMA_CPP = Path(__file__).resolve().parents[1] / "build" / "llamacpp" / "src" / "vendor" / "llama.cpp"
 ST_BASELINE, ORT_BASELINE = "sentence-transformers b32", "onnxruntime fp32"
 Vectors = np.ndarray
 
@@ -274,13 +281,40 @@ def job_summary(job: Path) -> dict[str, Any]:
             "done": s["requests"]["done"], "failed": s["requests"]["failed"]}
 
 
-def llama_cpp_contender(workload: Workload, threads: int) -> Contender | None:
-    """The hook for llama.cpp's `llama-embedding` on a GGUF of the same model, not measured yet.
-    To add it: return a Contender whose `embed` runs the binary on workload.text_file with `-t
-    threads` (mean pooling, normalised) and whose `vectors` parses its output in input order; main()
-    puts it in the rounds beside the others. None leaves it out, and the report says so."""
-    del workload, threads
-    return None
+def llama_cpp_contender(workload: Workload, threads: int, model_folder: Path) -> Contender | None:
+    """llama.cpp's `llama-embedding` on the model converted to an f32 GGUF by its own converter,
+    every text of the file in one run (mean pooling, normalised), start to exit as a user runs it.
+    None where benchmarks/setup_llamacpp.sh has not built it."""
+    if not (LLAMA_CPP / "build" / "bin" / "llama-embedding").is_file():
+        return None
+    gguf = LLAMA_CPP.parents[3] / "all-minilm-l6-v2-f32.gguf"  # beside the build, made once
+    if not gguf.is_file():
+        env = {**os.environ, "PYTHONPATH": str(LLAMA_CPP / "gguf-py")}
+        subprocess.run([sys.executable, str(LLAMA_CPP / "convert_hf_to_gguf.py"), str(model_folder), "--outfile",
+                        str(gguf), "--outtype", "f32"], check=True, capture_output=True, env=env)
+
+    def embed(text_file: Path) -> str:
+        command = [str(LLAMA_CPP / "build" / "bin" / "llama-embedding"), "-m", str(gguf), "-f", str(text_file),
+                   "--pooling", "mean", "--embd-normalize", "2", "--embd-output-format", "array",
+                   "-t", str(threads), *LLAMA_BATCH]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{shlex.join(command)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+        return done.stdout
+
+    def warm_up() -> None:
+        small = workload.text_file.with_name("warm-llama.txt")
+        small.write_text("".join(t + "\n" for t in workload.texts[:WARM_TEXTS]))
+        embed(small)
+
+    return Contender("llama.cpp llama-embedding", lambda: embed(workload.text_file),
+                     vectors=lambda out: np.array(json.loads(out[out.index("[["):]), dtype=np.float32),
+                     warm_up=warm_up)
+
+
+def q8_contender(threads: int, texts: list[str]) -> Contender:
+    embedder = Embedder(num_threads=threads, weight_format="q8")
+    return in_process("tokenmill Embedder q8", embedder.embed, texts)
 
 
 # ---- measuring ------------------------------------------------------------------------------------------
@@ -522,10 +556,10 @@ def main() -> None:
         contenders += [in_process(ORT_BASELINE, ort["fp32"].embed, texts),
                        in_process("onnxruntime int8", ort["int8"].embed, texts),
                        in_process("tokenmill Embedder", embedder.embed, texts),
+                       q8_contender(args.threads, texts),
                        cli_contender(workload, args.threads, folder)]
-        llama = llama_cpp_contender(workload, args.threads)
-        not_measured = [] if llama else ["llama.cpp `llama-embedding` (no implementation behind the hook "
-                                         "llama_cpp_contender in benchmarks/embeddings.py)"]
+        llama = llama_cpp_contender(workload, args.threads, embedder.folder)
+        not_measured = [] if llama else ["llama.cpp `llama-embedding` (not built: bash benchmarks/setup_llamacpp.sh)"]
         contenders += [llama] if llama else []
         print("warm-ups, then the rounds:", flush=True)
         for c in contenders:

@@ -19,7 +19,7 @@ class EmbeddingConfig:
         None, f"embedding model: a sentence-transformers or BERT folder, a hub id, or {DEFAULT_EMBEDDING_MODEL} "
         "(the default)")
     max_num_batched_tokens: int = setting(
-        2048, "tokens in one forward, counted as the batch padded to its longest input (inputs are sorted by "
+        1024, "tokens in one forward, counted as the batch padded to its longest input (inputs are sorted by "
         "length first)")
     sort_window: int = setting(
         4096, "inputs sorted by length together: larger wastes less padding, smaller finishes rows sooner")

@@ -33,6 +33,11 @@ _ACTIVATIONS = {
 }
 
 
+# The kernel attends batches up to this length: past it, the cost of the padded layout is small
+# beside the attention itself, which SDPA's blocked kernel computes faster (docs/embeddings.md).
+KERNEL_LONGEST = 128
+
+
 @dataclass
 class PackedBatch:
     """Sequences packed end to end: `token_ids` [T], and each one's length. Attention's padded
@@ -88,7 +93,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         qkv = self.qkv(x)
-        if self.kernel:
+        if self.kernel and batch.longest <= KERNEL_LONGEST:
             return self.out(packed_attention(qkv, batch.starts, self.num_heads, self.head_dim))
         return self.out(self._sdpa(qkv, batch))
 
