@@ -69,8 +69,7 @@ ST_DEFAULT_BATCH = 32
 ST_BATCHES, BUDGETS = (16, 32, 64, 128), (512, 1024, 2048, 4096)
 WARM_TEXTS = 64
 # llama-embedding's batch (-b, -ub and the context alike): it attends over a whole micro-batch under a
-# mask, so larger ones cost more (256-2048 tried: 512 was about the fastest); 512 holds the longest
-# input of the workload.
+# mask, so larger ones cost more (docs/embeddings.md); 512 holds the longest input of the workload.
 LLAMA_BATCH = ("-b", "512", "-ub", "512", "-c", "512")
 LLAMA_CPP = Path(__file__).resolve().parents[1] / "build" / "llamacpp" / "src" / "vendor" / "llama.cpp"
 ST_BASELINE, ORT_BASELINE = "sentence-transformers b32", "onnxruntime fp32"

@@ -8,7 +8,12 @@ import asyncio
 import base64
 import io
 import json
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -19,6 +24,10 @@ from tests import serve_helpers
 from tests.serve.conftest import MODEL, Running
 from tests.serve.test_batches import jsonl, wait_for
 from tokenmill.embed.embedder import Embedder
+from tokenmill.jobs.backends import BatchApiSpec, EndpointSpec, build_backend
+from tokenmill.jobs.config import JobConfig
+from tokenmill.jobs.input.request import DocumentOptions
+from tokenmill.jobs.runner import run_job
 from tokenmill.openai_compat import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL
 
 EMBEDDING_MODEL = "minilm-test"
@@ -168,6 +177,54 @@ def test_an_embedding_server_refuses_generation_batches(client: openai.OpenAI) -
     with pytest.raises(openai.BadRequestError, match="embedding model") as refused:
         client.batches.create(input_file_id=uploaded.id, endpoint=COMPLETIONS_URL, completion_window="24h")
     assert refused.value.body["param"] == "endpoint"
+
+
+# ---- tokenmill run through the server ----------------------------------------------------------
+def embedding_rows(count: int) -> list[str]:
+    return [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": EMBEDDINGS_URL,
+                        "body": {"input": f"document {i} " * (1 + i % 30)}}) for i in range(count)]
+
+
+@pytest.mark.parametrize("batch_api", [False, True])
+def test_a_job_runs_through_the_endpoint_and_its_batch_api(embedding_server: Running, embedder: Embedder,
+                                                           tmp_path: Path, batch_api: bool) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(embedding_rows(40)) + "\n")
+    spec = (BatchApiSpec(embedding_server.v1, EMBEDDING_MODEL, poll_s=0.1) if batch_api
+            else EndpointSpec(embedding_server.v1, EMBEDDING_MODEL))
+    outcome = run_job(JobConfig(input=path, output=tmp_path / "out", progress=False,
+                                options=DocumentOptions(model=EMBEDDING_MODEL)), build_backend(spec))
+    assert outcome.status == "done" and outcome.requests.done == 40 and outcome.tokens.vectors == 40
+    rows = {json.loads(line)["custom_id"]: json.loads(line) for line in (tmp_path / "out" / "results.jsonl").open()}
+    texts = [json.loads(line)["body"]["input"] for line in path.read_text().splitlines()]
+    got = np.array([rows[f"r{i}"]["response"]["body"]["data"][0]["embedding"] for i in range(40)], dtype=np.float32)
+    assert_same(got, embedder.embed(texts))
+
+
+@pytest.mark.slow
+def test_kill_9_then_rerun_through_the_endpoint_gives_each_line_once(embedding_server: Running,
+                                                                      tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(embedding_rows(3000)) + "\n")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "tokenmill", "run", str(path), "-o", str(out), "--endpoint", embedding_server.v1,
+           "--model", EMBEDDING_MODEL, "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    results = out / "results.jsonl"
+    deadline = time.monotonic() + 120
+    while not (results.exists() and results.read_bytes().count(b"\n") >= 50):
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        assert time.monotonic() < deadline, "no results within 120 s"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    done_before = results.read_bytes().count(b"\n")
+    assert 50 <= done_before < 3000, "the kill did not land mid-way"
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "resuming: " in rerun.stderr
+    ids = [json.loads(line)["custom_id"] for line in results.open()]
+    assert sorted(ids) == sorted(f"r{i}" for i in range(3000))  # every line once, none twice
 
 
 # ---- a generation server -----------------------------------------------------------------------

@@ -29,6 +29,7 @@ from tokenmill.models.quant import kernel_available
 
 _NO_TOKENIZER_LIMIT = int(1e30)  # transformers' own "no limit"
 
+
 class EmbeddingInputError(ValueError):
     """One input the model cannot embed as asked: `index` says which, `reason` why."""
 

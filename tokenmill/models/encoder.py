@@ -95,9 +95,9 @@ class Attention(nn.Module):
         qkv = self.qkv(x)
         if self.kernel and batch.longest <= KERNEL_LONGEST:
             return self.out(packed_attention(qkv, batch.starts, self.num_heads, self.head_dim))
-        return self.out(self._sdpa(qkv, batch))
+        return self.out(self.padded_sdpa(qkv, batch))
 
-    def _sdpa(self, qkv: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    def padded_sdpa(self, qkv: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """The same attention by PyTorch's SDPA, over the batch padded to its longest sequence."""
         width = qkv.shape[1] // 3
         if not batch.uniform:  # padded once for q, k and v together

@@ -228,7 +228,7 @@ def _open_safetensors(file: Path) -> Any:
 def load_tokenizer(source: str | None) -> Any:
     """A tokenizer on its own: from a .gguf file (None: the embedded model's), a Hugging Face
     folder or a hub id; None (with a warning) when there is none."""
-    if source is None or source in NAMED_MODELS or source.endswith(".gguf"):
+    if source is None or source.endswith(".gguf") or (source in NAMED_MODELS and model_path(source).suffix == ".gguf"):
         return _cached_gguf_tokenizer(model_path(source))
     return _load_tokenizer(source)
 
