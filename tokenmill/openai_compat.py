@@ -720,6 +720,21 @@ def completion_logprobs(logprobs: list[TokenLogprob], text_of: TokenText) -> dic
             "text_offset": list(itertools.accumulate(map(len, tokens), initial=0))[:-1]}
 
 
+def is_response_body(url: str, body: Any) -> bool:
+    """Whether `body` has the shape of `url`'s answer: choices for a completion, a list of data for
+    embeddings. What a server returned with a 200 is checked by this before it is kept."""
+    if not isinstance(body, dict):
+        return False
+    if url == EMBEDDINGS_URL:
+        return body.get("object") == "list" and isinstance(body.get("data"), list)
+    return isinstance(body.get("choices"), list)
+
+
+def response_kind(url: str) -> str:
+    """How messages name `url`'s answer."""
+    return "an embeddings body" if url == EMBEDDINGS_URL else "a completion body"
+
+
 def api_root(url: str) -> str:
     """`http://host:8000/v1` → `http://host:8000`: the API's paths (CHAT_URL, /v1/batches) start with /v1."""
     return url.rstrip("/").removesuffix("/v1")

@@ -223,8 +223,9 @@ def print_summary(outcome: JobOutcome, console: Console) -> None:
         table.add_row("tokens", f"prompt {tok.prompt:,} (cached {tok.cached:,}) · completion {tok.completion:,}")
     table.add_row("time", f"wall {outcome.time.wall_s:.1f} s · model load {outcome.time.load_s:.1f} s")
     if embeddings:
-        table.add_row("embedding", f"{_fmt(thr.vectors_per_s)} vectors/s · {_fmt(thr.input_tok_s)} input tok/s "
-                      f"(in forwards: {_fmt(thr.prefill_tok_s)} tok/s)")
+        forwards = "" if thr.prefill_tok_s is None else f" (in forwards: {_fmt(thr.prefill_tok_s)} tok/s)"
+        table.add_row("embedding", f"{_fmt(thr.vectors_per_s)} vectors/s · {_fmt(thr.input_tok_s)} input tok/s"
+                      + forwards)
     elif eng.prefill_tokens is not None:
         table.add_row("prefill", _speed(eng.prefill_tokens, eng.prefill_s, thr.prefill_tok_s))
         table.add_row("decode", _speed(eng.decode_tokens, eng.decode_s, thr.decode_tok_s))

@@ -66,7 +66,7 @@ from tokenmill.jobs.errors import JobError, JobFailed
 from tokenmill.jobs.input.request import BatchRequest
 from tokenmill.jobs.journal.rows import ErrorCode
 from tokenmill.jobs.storage import atomic_write_json
-from tokenmill.openai_compat import api_root
+from tokenmill.openai_compat import api_root, is_response_body, response_kind
 from tokenmill.settings import SettingError, setting
 
 T = TypeVar("T")
@@ -412,11 +412,11 @@ def hand_row(sink: ResultSink, request: BatchRequest, row: dict[str, Any]) -> bo
         sink.error(request, code, message, response or None)
         return False
     status, body = response.get("status_code"), response.get("body")
-    if status == 200 and isinstance(body, dict) and isinstance(body.get("choices"), list):
+    if status == 200 and is_response_body(request.url, body):
         sink.result(request, body, response.get("request_id"))
         return True
     if status == 200:
-        sink.error(request, ErrorCode.BAD_RESPONSE, "HTTP 200 without a completion body", response)
+        sink.error(request, ErrorCode.BAD_RESPONSE, f"HTTP 200 without {response_kind(request.url)}", response)
         return False
     message = error_message(body, json.dumps(body))
     sink.error(request, code_of_status(status), f"HTTP {status}: {message}", response)

@@ -40,7 +40,7 @@ from tokenmill.jobs.backends.rate_limit import Limiter, RateLimit, sleep_unless
 from tokenmill.jobs.errors import JobFailed
 from tokenmill.jobs.input.request import BatchRequest
 from tokenmill.jobs.journal.rows import ErrorCode, is_transient
-from tokenmill.openai_compat import api_root, new_id
+from tokenmill.openai_compat import api_root, is_response_body, new_id, response_kind
 from tokenmill.settings import SettingError, setting
 
 PROBE_PATH = "/v1/models"  # cheap, and served by every OpenAI-compatible server we know
@@ -418,9 +418,10 @@ class EndpointBackend:
         request_id = reply.headers.get("x-request-id") or new_id("req_")
         body = _json_or_none(raw)
         if 200 <= reply.status < 300:
-            if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
-                return Attempt(code=ErrorCode.BAD_RESPONSE, message=f"HTTP {reply.status} without a completion body",
-                               retry=True)
+            if not is_response_body(request.url, body):
+                return Attempt(code=ErrorCode.BAD_RESPONSE, retry=True,
+                               message=f"HTTP {reply.status} without {response_kind(request.url)}")
+            assert isinstance(body, dict)
             return Attempt(body=body, request_id=request_id)
         text = raw.decode("utf-8", "replace")
         response = {"status_code": reply.status, "request_id": request_id,

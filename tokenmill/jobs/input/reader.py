@@ -141,7 +141,7 @@ def read_input(
             result.errors.append(item)
             continue
         record, request = item
-        cost = record.size // 4 + (0 if request.url == EMBEDDINGS_URL else request.max_tokens)
+        cost = record.size // 4 + request.max_tokens
         result.entries.append(Entry(record.line, record.offset, request.custom_id, cost, request.structured,
                                     request.max_tokens_defaulted))
     result.sha256, result.csv_layout = digest.hexdigest(), stream.csv_layout

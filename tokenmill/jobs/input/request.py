@@ -106,7 +106,8 @@ class BatchRequest:
 
     @property
     def max_tokens(self) -> int:
-        return requested_max_tokens(self.body)
+        """The most tokens the answer may take (0 for an embedding: nothing is generated)."""
+        return 0 if self.url == EMBEDDINGS_URL else requested_max_tokens(self.body)
 
     @cached_property
     def structured(self) -> bool:
