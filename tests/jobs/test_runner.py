@@ -60,7 +60,7 @@ def test_bad_lines_are_recorded_and_the_good_ones_run(tmp_path: Path, echo: Echo
                                    "retryable": 1, "done_this_run": 2, "failed_this_run": 2,
                                    "structured": 0, "structured_cut": 0,
                                    "max_tokens_defaulted": 4, "default_max_tokens": 4}
-    assert summary["tokens"] == {"prompt": 20, "cached": 6, "completion": 8}
+    assert summary["tokens"] == {"prompt": 20, "cached": 6, "completion": 8, "vectors": 0}
     job = json.loads((out / "job.json").read_text())
     assert job["settings"]["max_tokens"] == 4 and len(job["input_identity"]["ends_sha256"]) == 64
 
