@@ -605,9 +605,9 @@ _STRUCTURED_BY_NAME = {f.name: f for f in STRUCTURED_FIELDS}
 
 
 def body_fields(url: str) -> tuple[BodyField, ...]:
-    """Every field the endpoint reads beyond its prompt or messages: what the server's request
-    body declares."""
-    return tuple(f for f in SAMPLING_FIELDS + STRUCTURED_FIELDS if url in f.urls)
+    """Every field the endpoint reads beyond its prompt or messages (an embedding's `input`
+    included): what the server's request body declares."""
+    return tuple(f for f in SAMPLING_FIELDS + STRUCTURED_FIELDS + EMBEDDING_FIELDS if url in f.urls)
 
 
 def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
@@ -803,8 +803,9 @@ def parse_embedding_request(body: dict[str, Any]) -> EmbeddingRequest:
     """A /v1/embeddings body, every field checked; RequestError names the field (`body.input[3]`)."""
     check_text(body)
     texts, token_ids, listed = _embedding_inputs(body)
-    for field in EMBEDDING_FIELDS[1:]:
-        field.check(body)
+    for field in EMBEDDING_FIELDS:
+        if field.name != "input":  # read above, for its value
+            field.check(body)
     return EmbeddingRequest(texts, token_ids, listed, body.get("encoding_format") or "float",
                             body.get("dimensions"), body.get("truncate_prompt_tokens"))
 
@@ -839,9 +840,9 @@ def _embedding_inputs(body: dict[str, Any]) -> tuple[list[str] | None, list[list
 def _token_ids(value: list[Any], where: str) -> list[int]:
     if not value:
         raise RequestError(f"{where} is an empty list: an embedding needs at least one token", "input")
-    bad = next((t for t in value if not (_is_int(t) and t >= 0)), None)
-    if bad is not None or not all(_is_int(t) for t in value):
-        raise RequestError(f"{where} must be token ids (integers >= 0), got {_show(bad)}", "input")
+    bad = next((i for i, t in enumerate(value) if not (_is_int(t) and t >= 0)), None)  # an index: the value may be null
+    if bad is not None:
+        raise RequestError(f"{where} must be token ids (integers >= 0), got {_show(value[bad])}", "input")
     return value
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +46,22 @@ def assert_exactly_once(out: Path, input_lines: int) -> None:
     assert len(ids) == len(set(ids)), "a custom_id has two results"
     assert len(results) + len(errors) == input_lines
     assert not set(ids) & {e["custom_id"] for e in errors if e["error"]["code"] != "invalid_input"}
+
+
+def kill_9_after(cmd: list[str], results: Path, rows: int, timeout_s: float = 120) -> int:
+    """Run `cmd` (a `tokenmill run`), kill -9 it as soon as `results` holds `rows` rows, and
+    return how many whole rows it holds then. A job that exits, or writes too few within
+    `timeout_s`, fails."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + timeout_s
+    while not (results.exists() and results.read_bytes().count(b"\n") >= rows):
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        assert time.monotonic() < deadline, f"fewer than {rows} result(s) within {timeout_s:g} s"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    return results.read_bytes().count(b"\n")
 
 
 class EchoBackend:

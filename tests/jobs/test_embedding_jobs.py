@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import base64
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +20,7 @@ from tokenmill.jobs.backends.embedding import EmbeddingBackend
 from tokenmill.jobs.config import JobConfig
 from tokenmill.jobs.runner import run_job
 
-from .conftest import assert_exactly_once, read_jsonl, write_jsonl
+from .conftest import assert_exactly_once, kill_9_after, read_jsonl, write_jsonl
 
 TEXTS = ["A kettle that boils fast.", "The lid broke after a week.", "great value", "Arrived late, scratched.",
          "My kids love it and so do I: light, quiet and it keeps the tea hot for hours."]
@@ -124,17 +122,8 @@ def test_kill_9_then_rerun_embeds_each_line_exactly_once(tmp_path: Path) -> None
                                                 for i in range(3000)])
     out = tmp_path / "out"
     cmd = [str(path), "-o", str(out), "--model", "all-minilm-l6-v2", "--sort-window", "64"]
-    proc = subprocess.Popen([sys.executable, "-m", "tokenmill", "run", *cmd, "--no-progress"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     results = out / "results.jsonl"
-    deadline = time.monotonic() + 120
-    while not (results.exists() and results.read_bytes().count(b"\n") >= 64):
-        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-        assert time.monotonic() < deadline, "no results within 120 s"
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    done_before = len(read_jsonl(results))
+    done_before = kill_9_after([sys.executable, "-m", "tokenmill", "run", *cmd, "--no-progress"], results, 64)
     assert 64 <= done_before < 3000, "the kill did not land mid-way"
     rerun = run_cli(*cmd)
     assert rerun.returncode == 0, rerun.stderr

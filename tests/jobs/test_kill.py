@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from .conftest import assert_exactly_once, read_jsonl
+from .conftest import assert_exactly_once, kill_9_after, read_jsonl
 
 REVIEWS = [
     "The kettle boils fast.", "The lid broke after a week.", "Great value for the price.",
@@ -27,17 +25,8 @@ def test_kill_9_then_rerun_gives_exactly_one_result_per_line(tmp_path: Path, ggu
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "tokenmill", "run", str(path), "-o", str(out), "--system", "Label the review.",
            "--max-tokens", "6", "--temperature", "0", "--max-num-seqs", "2", "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     results = out / "results.jsonl"
-    deadline = time.monotonic() + 120  # the model loads in ~12 s
-    while not (results.exists() and results.read_bytes().count(b"\n") >= 1):
-        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-        assert time.monotonic() < deadline, "no result within 120 s"
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
-    done_before = len(read_jsonl(results))
+    done_before = kill_9_after(cmd, results, 1)  # the model loads in ~12 s
     assert 1 <= done_before < len(REVIEWS), "the kill did not land mid-way"
     with results.open("ab") as f:  # as if the kill had also torn a write in half
         f.write(b'{"id":"batch_req_x","custom_id":"line-12","response":{"status_co')

@@ -8,10 +8,8 @@ import asyncio
 import base64
 import io
 import json
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import openai
 import pytest
 
 from tests import serve_helpers
+from tests.jobs.conftest import kill_9_after
 from tests.serve.conftest import MODEL, Running
 from tests.serve.test_batches import jsonl, wait_for
 from tokenmill.embed.embedder import Embedder
@@ -209,16 +208,8 @@ def test_kill_9_then_rerun_through_the_endpoint_gives_each_line_once(embedding_s
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "tokenmill", "run", str(path), "-o", str(out), "--endpoint", embedding_server.v1,
            "--model", EMBEDDING_MODEL, "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     results = out / "results.jsonl"
-    deadline = time.monotonic() + 120
-    while not (results.exists() and results.read_bytes().count(b"\n") >= 50):
-        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-        assert time.monotonic() < deadline, "no results within 120 s"
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    done_before = results.read_bytes().count(b"\n")
+    done_before = kill_9_after(cmd, results, 50)
     assert 50 <= done_before < 3000, "the kill did not land mid-way"
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr

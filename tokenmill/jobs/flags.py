@@ -176,8 +176,8 @@ def embedding_spec(args: argparse.Namespace) -> EmbeddingConfig:
     """An embedding model in this process (Ray replicas do not embed yet: --ray is refused)."""
     spec = vllm_args.embedding_spec(args, ["--ray"] if args.ray else [])
     model = args.model
-    if model is not None and not is_embedding_model(model) and not (
-            not Path(model).expanduser().exists() and _looks_like_hub_id(model)):  # a hub id: its config tells, at load
+    hub_id = model is not None and not Path(model).expanduser().exists() and _looks_like_hub_id(model)
+    if model is not None and not hub_id and not is_embedding_model(model):  # a hub id's config tells, at load
         raise ValueError(f"--embed: --model {model} is not an embedding model (a sentence-transformers or BERT "
                          "folder, or all-minilm-l6-v2)")
     return spec

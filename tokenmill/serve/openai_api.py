@@ -19,7 +19,6 @@ from tokenmill.engine import RequestOutput
 from tokenmill.openai_compat import (
     CHAT_URL,
     COMPLETIONS_URL,
-    EMBEDDING_FIELDS,
     EMBEDDINGS_URL,
     BodyField,
     LiveRequest,
@@ -73,7 +72,7 @@ class _EmbeddingFields(BaseModel):
 def _with_body_fields(name: str, base: type[BaseModel], fields: tuple[BodyField, ...],
                       required: tuple[str, ...] = ()) -> Any:
     """`base` with the endpoint's body fields (openai_compat.body_fields: its sampling and
-    structured-output fields; EMBEDDING_FIELDS): described in the schema as the tables write them,
+    structured-output fields, or the embedding ones): described in the schema as the tables write them,
     and checked once, by the tables' checks, as a batch line is, with the same messages (so not
     here: a value of any type reaches them). `required`: those a body must have."""
     declared: dict[str, Any] = {f.name: (Annotated[Any, WithJsonSchema(f.schema)], ... if f.name in required else None)
@@ -83,7 +82,7 @@ def _with_body_fields(name: str, base: type[BaseModel], fields: tuple[BodyField,
 
 CompletionBody = _with_body_fields("CompletionBody", _CompletionFields, body_fields(COMPLETIONS_URL))
 ChatBody = _with_body_fields("ChatBody", _ChatFields, body_fields(CHAT_URL))
-EmbeddingBody = _with_body_fields("EmbeddingBody", _EmbeddingFields, EMBEDDING_FIELDS, required=("input",))
+EmbeddingBody = _with_body_fields("EmbeddingBody", _EmbeddingFields, body_fields(EMBEDDINGS_URL), required=("input",))
 # A completion with `"stream": true` answers in server-sent events, not JSON.
 EVENT_STREAM = {200: {"description": "the completion: JSON, or server-sent events with `stream`",
                       "content": {"text/event-stream": {"schema": {"type": "string"}}}}}

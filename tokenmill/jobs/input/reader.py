@@ -56,7 +56,6 @@ from tokenmill.openai_compat import (
     check_fields,
     check_string,
     check_text,
-    parse_embedding_request,
     printable,
     structured_outputs_fields,
 )
@@ -564,8 +563,9 @@ def _request(
     if url == EMBEDDINGS_URL:  # nothing to generate: no generation defaults
         if options.model is not None:
             body["model"] = options.model
-        _check_embedding_body(body, prefix)
-        return BatchRequest(number, custom_id, url, body)
+        request = BatchRequest(number, custom_id, url, body)
+        _check_embedding_body(request, prefix)
+        return request
     defaulted = "max_tokens" not in body and "max_completion_tokens" not in body
     body = _fill_defaults(body, url, options)
     _check_body(url, body, prefix)
@@ -623,9 +623,10 @@ def _check_body(url: str, body: dict[str, Any], prefix: str = "body.") -> None:
         raise LineError(str(exc).replace("body.", prefix, 1)) from None
 
 
-def _check_embedding_body(body: dict[str, Any], prefix: str) -> None:
+def _check_embedding_body(request: BatchRequest, prefix: str) -> None:
+    """The body read once, here: the backend takes `request.embedding` as it was read."""
     try:
-        parse_embedding_request(body)
+        request.embedding  # noqa: B018
     except RequestError as exc:
         raise LineError(str(exc).replace("body.", prefix, 1)) from None
 

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "team.h"
 #include "vec8.h"
 
 #ifndef ENCODER_ROWS
@@ -106,7 +107,7 @@ int encoder_attention(const float *qkv, float *out, const int64_t *starts, int n
 #pragma omp parallel num_threads(num_threads)
     {
         /* qt and ot [D][ROWS], then the scores [longest][ROWS] */
-        float *qt = (float *)aligned_alloc(64, sizeof(float) * ((size_t)2 * head_dim + (size_t)longest) * ROWS);
+        float *qt = (float *)thread_scratch(sizeof(float) * ((size_t)2 * head_dim + (size_t)longest) * ROWS);
         if (qt == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -134,7 +135,6 @@ int encoder_attention(const float *qkv, float *out, const int64_t *starts, int n
                 for (int d = 0; d < head_dim; d++) dst[d] = ot[(int64_t)d * ROWS + r] * norm;
             }
         }
-        free(qt);
     }
     free(first_task);
     return failed ? -1 : 0;

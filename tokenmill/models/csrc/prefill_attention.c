@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "team.h"
 #include "vec8.h"
 
 enum { ROWS = 32, VECS = ROWS / 8, KEY_STEP = 4 };
@@ -165,7 +166,7 @@ int paged_prefill_attention(const float *q, int64_t q_stride, float *out, int64_
 #pragma omp parallel num_threads(num_threads)
     {
         /* qt and ot [D][ROWS], then the converted rows of an fp16 cache */
-        float *qt = (float *)aligned_alloc(64, sizeof(float) * 2 * (size_t)head_dim * (ROWS + KEY_STEP));
+        float *qt = (float *)thread_scratch(sizeof(float) * 2 * (size_t)head_dim * (ROWS + KEY_STEP));
         if (qt == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -208,7 +209,6 @@ int paged_prefill_attention(const float *q, int64_t q_stride, float *out, int64_
                 for (int d = 0; d < head_dim; d++) dst[d] = ot[(int64_t)d * ROWS + r];
             }
         }
-        free(qt);
     }
     return failed ? -1 : 0;
 }
