@@ -790,7 +790,7 @@ EMBEDDING_FIELDS = (
     BodyField("encoding_format", {"type": "string", "enum": list(ENCODING_FORMATS),
                                   "description": "float (default), or base64 of the little-endian float32 values"},
               _check_encoding_format, (EMBEDDINGS_URL,)),
-    _integer_field("dimensions", 1, description="the vector's size: the model's own (others are refused)",
+    _integer_field("dimensions", 1, description="the vector's size: the model's own, or less for a Matryoshka model",
                    urls=(EMBEDDINGS_URL,)),
     BodyField("truncate_prompt_tokens", {"type": "integer", "minimum": MAX_TRUNCATE,
                                          "description": "vLLM: cut each input to this many tokens; -1: to the "
@@ -851,9 +851,10 @@ def embedding_inputs(request: EmbeddingRequest, embedder: Embedder) -> list[list
     truncated where asked); RequestError names the input or field at fault."""
     from tokenmill.embed.embedder import EmbeddingInputError  # loaded already: an embedder is running
 
-    if request.dimensions is not None and request.dimensions != embedder.dimensions:
-        raise RequestError(f"body.dimensions = {request.dimensions}: {embedder.name} makes vectors of "
-                           f"{embedder.dimensions} and cannot shorten them", "dimensions")
+    try:
+        embedder.check_dimensions(request.dimensions)
+    except ValueError as exc:
+        raise RequestError(f"body.dimensions = {request.dimensions}: {exc}", "dimensions") from None
     try:
         if request.texts is not None:
             return embedder.tokenize(request.texts, request.truncate_prompt_tokens)

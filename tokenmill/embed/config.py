@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenmill.environment import DEFAULT_EMBEDDING_MODEL, NAMED_MODELS
-from tokenmill.models.encoder_config import is_encoder_folder
+from tokenmill.models.encoder_config import SENTENCE_TRANSFORMERS_MODULES, is_encoder_folder
 from tokenmill.settings import SettingError, setting
 
 EMBEDDING_WEIGHT_FORMATS = ("auto", "fp32", "q8")  # a subset of the generation engine's --weight-format
@@ -54,4 +54,5 @@ def is_embedding_model(model: str | None) -> bool:
     path = Path(model).expanduser()
     if model in NAMED_MODELS and not path.exists():
         return NAMED_MODELS[model].embedding
-    return is_encoder_folder(path)
+    # A decoder with a sentence-transformers pooling (Qwen3-Embedding) is one too.
+    return is_encoder_folder(path) or (path / SENTENCE_TRANSFORMERS_MODULES).is_file()

@@ -133,14 +133,44 @@ class ModelRunner:
         """fp32 logits [T, vocab] at every position of one sequence, in a single prefill written to
         the first blocks of this runner's cache: for scoring (perplexity) with a runner of its own,
         never beside scheduled requests, whose blocks it would overwrite."""
-        n, bs = len(token_ids), self.block_size
-        table = list(range(-(-n // bs)))
-        if len(table) > self.null_block:
-            raise ValueError(f"{n} tokens need {len(table)} KV blocks; this runner has {self.null_block}")
-        positions = self._tensor(list(range(n)))  # = the slots: blocks 0, 1, ... in order
-        group = self._attention_group([_Span(0, n, n, table)], paged=self.prefill_kernel)
-        meta = AttentionMetadata(positions, [group])
-        return self.model(self._tensor(token_ids), positions, self.kv_caches, meta, positions)
+        ids, positions, meta = self._whole_prompts([token_ids])
+        return self.model(ids, positions, self.kv_caches, meta, torch.arange(len(ids), device=self.device))
+
+    @torch.inference_mode()
+    def prompt_hidden_states(self, sequences: list[list[int]]) -> torch.Tensor:
+        """The final (normed) states [sum of lengths, hidden] of whole sequences, packed in order,
+        in one forward over this runner's cache from its first block: for an embedding model's
+        runner, which schedules nothing else."""
+        ids, positions, meta = self._whole_prompts(sequences)
+        return self.model.hidden_states(ids, positions, self.kv_caches, meta,
+                                        torch.arange(len(ids), device=self.device))
+
+    def blocks_for(self, lengths: list[int]) -> int:
+        """KV blocks that whole sequences of these lengths take (each starts a block of its own)."""
+        return sum(-(-n // self.block_size) for n in lengths)
+
+    def _whole_prompts(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(token ids, positions, attention) of whole sequences one after another, in blocks 0, 1, ...
+        of the cache."""
+        needed = self.blocks_for([len(seq) for seq in sequences])
+        if needed > self.null_block:
+            raise ValueError(f"{sum(map(len, sequences))} tokens need {needed} KV blocks; this runner has "
+                             f"{self.null_block}")
+        bs = self.block_size
+        spans, ids, positions, first_block = [], [], [], 0
+        for seq in sequences:
+            blocks = -(-len(seq) // bs)
+            spans.append(_Span(len(ids), len(seq), len(seq), list(range(first_block, first_block + blocks))))
+            ids.extend(seq)
+            positions.extend(range(len(seq)))
+            first_block += blocks
+        # Blocks are taken in order, so a token's slot is its sequence's first slot plus its position.
+        slots = [span.block_table[0] * bs + p for span in spans for p in range(span.num_new)]
+        if self.prefill_kernel:
+            groups = [self._attention_group(spans, paged=True)]
+        else:
+            groups = [self._attention_group(group, paged=False) for group in prefill_groups(spans)]
+        return self._tensor(ids), self._tensor(positions), AttentionMetadata(self._tensor(slots), groups)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device)

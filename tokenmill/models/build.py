@@ -35,15 +35,20 @@ def build_model(
     batch_hint: int = 2048,
     small_batch_kernel: bool = False,
     weight_format: str = "fp32",
+    head: bool = True,
 ) -> CausalLM:
     """The C kernels run where they can (fused.py), chosen here, once, by device and dtype.
     `batch_hint`: the most tokens one forward will see (oneDNN packs for it);
     `small_batch_kernel`: also keep the weights in the small-batch kernel's layout;
     `weight_format` (models/quant.py WEIGHT_FORMATS): which fp32 linear weights to quantise (the
-    loader already kept a GGUF's quantised ones as they are)."""
+    loader already kept a GGUF's quantised ones as they are); `head=False`: no output layer (an
+    embedding model reads `hidden_states`, and its checkpoint may have none)."""
     with torch.device("meta"):
         model = FusedCausalLM(weights.config) if kernels.supports(device, dtype) else CausalLM(weights.config)
-    source = {k: v for k, v in language_model_weights(weights).items() if "rotary_emb" not in k}
+    if not head:
+        model.lm_head = torch.nn.Identity()
+    skipped = ("rotary_emb",) if head else ("rotary_emb", "lm_head.")
+    source = {k: v for k, v in language_model_weights(weights).items() if not any(s in k for s in skipped)}
     tensors = {k: v.to(dtype) for k, v in source.items() if isinstance(v, torch.Tensor)}
     blocks = {k: v for k, v in source.items() if isinstance(v, Quantized)}  # a GGUF's: never MoE experts
     state = quantize_linear_weights(fuse_projections({**stack_experts(tensors), **blocks}), weight_format)
@@ -51,7 +56,7 @@ def build_model(
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     install_quantized(model, quantized)
     missing = [k for k in missing if k not in quantized]
-    if weights.config.tie_word_embeddings:
+    if weights.config.tie_word_embeddings and head:
         embed = model.model.embed_tokens
         if isinstance(embed, QuantizedEmbedding):
             model.lm_head = embed.table

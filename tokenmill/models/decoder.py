@@ -313,6 +313,22 @@ class CausalLM(nn.Module):
         logits_rows: torch.Tensor,  # [S] rows whose next-token logits are wanted
         logits_out: torch.Tensor | None = None,  # [>= S, vocab] fp32: where to write them, if it can
     ) -> torch.Tensor:
+        hidden = self.hidden_states(input_ids, positions, kv_caches, meta, logits_rows)
+        head = self.lm_head
+        if logits_out is not None and isinstance(head, QuantizedLinear) and logits_out.shape[1] == head.out_features:
+            return head(hidden, out=logits_out[: len(logits_rows)])
+        return head(hidden).float()
+
+    @torch.inference_mode()
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        rows: torch.Tensor,  # [S] rows whose final (normed) states are wanted
+    ) -> torch.Tensor:
+        """[S, hidden]: what the head reads (and what an embedding model pools)."""
         x = self.model.embed_tokens(input_ids)
         if self.config.is_gemma3:  # by sqrt(hidden_size), first rounded to the dtype as transformers does
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
@@ -320,11 +336,7 @@ class CausalLM(nn.Module):
         local_rope = self._rope("rope_local", positions, x.dtype) if self.config.rope_local_theta is not None else rope
         self._add_window_masks(meta)
         x = self.run_layers(x, rope, local_rope, kv_caches, meta)
-        hidden = self.model.norm(x[logits_rows])
-        head = self.lm_head
-        if logits_out is not None and isinstance(head, QuantizedLinear) and logits_out.shape[1] == head.out_features:
-            return head(hidden, out=logits_out[: len(logits_rows)])
-        return head(hidden).float()
+        return self.model.norm(x[rows])
 
     def run_layers(
         self,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 ENCODER_MODEL_TYPES = ("bert",)
+SENTENCE_TRANSFORMERS_MODULES = "modules.json"  # a sentence-transformers folder's list of modules (pooling.py)
 # config.json's hidden_act values the encoder computes (models/encoder.py: "gelu" is the exact, erf one).
 ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 

@@ -69,7 +69,7 @@ def looks_like_hub_id(name: str) -> bool:
 
 
 def _download_from_hub(repo_id: str) -> Path:
-    return download_folder(repo_id, _refuse_unrunnable)
+    return download_folder(repo_id, refuse_unrunnable_config)
 
 
 def download_folder(repo_id: str, refuse: Callable[[dict[str, Any], Path], None]) -> Path:
@@ -106,11 +106,12 @@ def _load_folder(folder: Path, tokenizer: str | None, dtype: torch.dtype) -> Loa
     return LoadedWeights(str(folder), config, state_dict, _load_tokenizer(tokenizer or str(folder)))
 
 
-def check_folder(folder: Path) -> tuple[dict[str, Any], list[Path]]:
+def check_folder(folder: Path, generating: bool = True) -> tuple[dict[str, Any], list[Path]]:
     """(config dict, weight files) of a Hugging Face folder, after every refusal that reads no
-    weight: ValueError says why the folder would not load."""
+    weight: ValueError says why the folder would not load. `generating=False`: the checkpoint
+    need not have an output layer (an embedding model's bare backbone, `Qwen3Model`)."""
     cfg = read_config(folder)
-    _refuse_unrunnable(cfg, folder)
+    refuse_unrunnable_config(cfg, folder, generating)
     files = weight_files(folder)
     _refuse_quantised_tensors(files)
     return cfg, files
@@ -129,14 +130,14 @@ def read_config(folder: Path) -> dict[str, Any]:
     return cfg
 
 
-def _refuse_unrunnable(cfg: dict[str, Any], folder: Path) -> None:
+def refuse_unrunnable_config(cfg: dict[str, Any], folder: Path, generating: bool = True) -> None:
     """What config.json alone rules out, refused before any weights are read or downloaded
     (otherwise it surfaces later as a puzzling "weights do not match")."""
-    _refuse_architecture(cfg, folder)
+    _refuse_architecture(cfg, folder, generating)
     _refuse_quantisation_config(cfg, folder)
 
 
-def _refuse_architecture(cfg: dict[str, Any], folder: Path) -> None:
+def _refuse_architecture(cfg: dict[str, Any], folder: Path, generating: bool = True) -> None:
     model_type = cfg.get("model_type")
     architectures = cfg.get("architectures") or []
     runs = ", ".join(SUPPORTED_ARCHITECTURES)
@@ -145,7 +146,7 @@ def _refuse_architecture(cfg: dict[str, Any], folder: Path) -> None:
                          f"tokenmill runs {runs}")
     # A supported family with another head (a classifier, a bare encoder) has no lm_head to generate
     # with. *ForConditionalGeneration: a multimodal checkpoint whose text model runs alone (Gemma 3).
-    for name in architectures:
+    for name in architectures if generating else ():
         if not name.endswith(_GENERATING_HEADS):
             raise ValueError(f"{folder}: architectures entry {name!r} does not generate text; tokenmill runs "
                              f"the {' / '.join('*' + h for h in _GENERATING_HEADS)} checkpoints of {runs}")

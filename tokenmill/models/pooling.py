@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.models.encoder import PackedBatch
+from tokenmill.models.encoder_config import SENTENCE_TRANSFORMERS_MODULES
 
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
 _NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
@@ -41,7 +42,7 @@ class PoolingConfig:
         """The pooling a sentence-transformers folder declares; None for a folder without
         modules.json (a bare transformers checkpoint). ValueError names a module or mode this
         does not compute."""
-        modules_file = folder / "modules.json"
+        modules_file = folder / SENTENCE_TRANSFORMERS_MODULES
         if not modules_file.is_file():
             return None
         modules = json.loads(modules_file.read_text())

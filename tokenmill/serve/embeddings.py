@@ -51,7 +51,8 @@ class EmbeddingService:
             vectors = await self._embed(ids)
         except Exception as exc:
             raise APIError(500, f"the embedding model failed on this request: {exc}", type="server_error") from None
-        return embedding_response_body(request, vectors, self.model, sum(map(len, ids)))
+        return embedding_response_body(request, self.embedder.shorten(vectors, request.dimensions), self.model,
+                                       sum(map(len, ids)))
 
     async def _embed(self, ids: list[list[int]]) -> np.ndarray:
         done: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()

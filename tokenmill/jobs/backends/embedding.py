@@ -91,7 +91,7 @@ class EmbeddingBackend:
         vectors = self._embedder.embed_token_ids([ids for _, row in window for ids in row])
         at = 0
         for request, ids in window:
-            mine = vectors[at:at + len(ids)]
+            mine = self._embedder.shorten(vectors[at:at + len(ids)], request.embedding.dimensions)
             at += len(ids)
             body = embedding_response_body(request.embedding, mine, self.model, sum(map(len, ids)))
             sink.result(request, body)
