@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import TemplateError
 
 from tokenmill.embed.config import MAX_TRUNCATE
+from tokenmill.embed.inputs import EmbeddingInputError, EmbeddingInputs
 from tokenmill.engine import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
@@ -51,7 +52,6 @@ from tokenmill.engine import (
 )
 
 if TYPE_CHECKING:  # names only: their modules load torch, which a body's checks do not need
-    from tokenmill.embed.embedder import Embedder
     from tokenmill.engine import InProcessModel, Prompt, RequestOutput, TokenLogprob
 
 CHAT_URL = "/v1/chat/completions"
@@ -846,10 +846,9 @@ def _token_ids(value: list[Any], where: str) -> list[int]:
     return value
 
 
-def embedding_inputs(request: EmbeddingRequest, embedder: Embedder) -> list[list[int]]:
+def embedding_inputs(request: EmbeddingRequest, embedder: EmbeddingInputs) -> list[list[int]]:
     """The request's inputs as the token ids the embedder runs (texts tokenized, ids checked,
     truncated where asked); RequestError names the input or field at fault."""
-    from tokenmill.embed.embedder import EmbeddingInputError  # loaded already: an embedder is running
 
     try:
         embedder.check_dimensions(request.dimensions)

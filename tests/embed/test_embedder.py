@@ -12,7 +12,8 @@ from sentence_transformers import SentenceTransformer
 
 from tokenmill.embed.batching import length_sorted_batches
 from tokenmill.embed.config import MAX_TRUNCATE, EmbeddingConfig, is_embedding_model
-from tokenmill.embed.embedder import Embedder, EmbeddingInputError, InputTooLong, embedding_model_folder
+from tokenmill.embed.embedder import Embedder, embedding_model_folder
+from tokenmill.embed.inputs import EmbeddingInputError, InputTooLong
 
 _TEXT = ("the of and a to in is you that it he was for on are as with his they at be this have from or one had "
          "by word but not what all were we when your can said there use an each which she do how their if will "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,7 +20,13 @@ import numpy as np
 import torch
 
 from tokenmill.embed.batching import length_sorted_batches
-from tokenmill.embed.config import MAX_TRUNCATE, EmbeddingConfig
+from tokenmill.embed.config import EmbeddingConfig
+from tokenmill.embed.inputs import (
+    NO_TOKENIZER_LIMIT,
+    EmbedderStats,
+    EmbeddingInputs,
+    matryoshka_dimensions,
+)
 from tokenmill.environment import DEFAULT_EMBEDDING_MODEL, NAMED_MODELS, model_name, named_model_path
 from tokenmill.models.encoder import PackedBatch, build_encoder
 from tokenmill.models.encoder_config import ENCODER_MODEL_TYPES, EncoderConfig
@@ -35,20 +41,6 @@ from tokenmill.models.loader import (
 from tokenmill.models.pooling import PoolingConfig, PoolingMode, pool
 from tokenmill.models.quant import kernel_available
 
-_NO_TOKENIZER_LIMIT = int(1e30)  # transformers' own "no limit"
-
-
-class EmbeddingInputError(ValueError):
-    """One input the model cannot embed as asked: `index` says which, `reason` why."""
-
-    def __init__(self, index: int, reason: str) -> None:
-        super().__init__(f"input {index}: {reason}")
-        self.index, self.reason = index, reason
-
-
-class InputTooLong(EmbeddingInputError):
-    """An input over the model's limit, and no truncation asked for."""
-
 
 class EmbeddingNetwork(Protocol):
     """Packed token ids → each token's final state: an encoder, or a decoder (decoder_model.py)."""
@@ -60,16 +52,7 @@ class EmbeddingNetwork(Protocol):
     def __call__(self, batch: PackedBatch) -> torch.Tensor: ...
 
 
-@dataclass
-class EmbedderStats:
-    inputs: int = 0
-    tokens: int = 0
-    forwards: int = 0
-    padded_tokens: int = 0  # attention's [batch × longest] cells, real and padding
-    seconds: float = 0.0  # in forwards and pooling (not tokenizing)
-
-
-class Embedder:
+class Embedder(EmbeddingInputs):
     """Load an embedding model once, then embed batches of texts or token ids.
 
     `Embedder()` loads the default (all-MiniLM-L6-v2); `Embedder("path/or/hub-id",
@@ -88,11 +71,13 @@ class Embedder:
         cfg = read_config(self.folder)
         self.model, self.pooling = self._build(cfg)
         self.matryoshka_dimensions = matryoshka_dimensions(cfg)
+        self.dimensions, self.vocab_size = self.model.hidden_size, self.model.vocab_size
+        self.normalize = self.pooling.normalize
         self.max_model_len = self._limit(self.config.max_model_len)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.folder))
-        self.tokenizer.model_max_length = _NO_TOKENIZER_LIMIT  # the limit is ours to check, with a clearer message
+        self.tokenizer.model_max_length = NO_TOKENIZER_LIMIT
         self.stats = EmbedderStats()
 
     def _build(self, cfg: dict[str, Any]) -> tuple[EmbeddingNetwork, PoolingConfig]:
@@ -114,94 +99,13 @@ class Embedder:
     def from_config(cls, config: EmbeddingConfig) -> Embedder:
         return cls(**asdict(config))
 
-    @property
-    def dimensions(self) -> int:
-        return self.model.hidden_size
-
-    def check_dimensions(self, dimensions: int | None) -> None:
-        """ValueError unless the model makes vectors of this size: its own, or (a Matryoshka model)
-        a leading part it was trained to keep."""
-        if dimensions is None or dimensions == self.dimensions:
-            return
-        allowed = self.matryoshka_dimensions
-        if allowed is None:
-            raise ValueError(f"{self.name} makes vectors of {self.dimensions} and cannot shorten them (it is not "
-                             "a Matryoshka model: its config.json has no is_matryoshka or matryoshka_dimensions)")
-        if not 1 <= dimensions <= self.dimensions or (allowed and dimensions not in allowed):
-            sizes = ", ".join(map(str, allowed)) if allowed else f"1 to {self.dimensions}"
-            raise ValueError(f"{self.name} makes vectors of {sizes} dimensions, not {dimensions}")
-
-    def shorten(self, vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
-        """Matryoshka vectors cut to their first `dimensions` (checked by check_dimensions), made
-        unit length again where the model normalises."""
-        if dimensions is None or dimensions == vectors.shape[1]:
-            return vectors
-        cut = vectors[:, :dimensions]
-        if not self.pooling.normalize:
-            return cut.copy()
-        return cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
-
     def _limit(self, asked: int | None) -> int:
         positions = self.model.max_positions
         if asked is not None and asked > positions:
             raise ValueError(f"max_model_len {asked} exceeds {self.folder.name}'s {positions} positions")
         return asked or min(self.pooling.max_seq_length or positions, positions)
 
-    # ---- inputs → token ids ----------------------------------------------------------------------
-    def tokenize(self, texts: Sequence[str], truncate: int | None = None) -> list[list[int]]:
-        """Each text's token ids, special tokens included, as sentence-transformers tokenizes it.
-        `truncate`: cut each to this many tokens (MAX_TRUNCATE: to the model's limit); without it a
-        text over the limit raises InputTooLong."""
-        limit = self._truncation(truncate)
-        ids: list[list[int]] = self.tokenizer(list(texts), add_special_tokens=True)["input_ids"]
-        if limit is None:
-            self.check_lengths(ids)
-            return ids
-        long = [i for i, seq in enumerate(ids) if len(seq) > limit]
-        if long:  # the tokenizer's own truncation keeps the special tokens at both ends
-            cut = self.tokenizer([texts[i] for i in long], add_special_tokens=True, truncation=True,
-                                 max_length=limit)["input_ids"]
-            for i, seq in zip(long, cut, strict=True):
-                ids[i] = seq
-        return ids
-
-    def token_ids(self, inputs: Sequence[Sequence[int]], truncate: int | None = None) -> list[list[int]]:
-        """Token-id inputs as given (the model's special tokens are the caller's: none are added),
-        checked against the vocabulary and the limit, or cut to `truncate` tokens."""
-        vocab = self.model.vocab_size
-        for i, seq in enumerate(inputs):
-            bad = next((t for t in seq if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise EmbeddingInputError(i, f"token id {bad} is outside the vocabulary of {self.name} "
-                                          f"(0..{vocab - 1})")
-        limit = self._truncation(truncate)
-        ids = [list(seq) if limit is None else list(seq[:limit]) for seq in inputs]
-        self.check_lengths(ids)
-        return ids
-
-    def _truncation(self, truncate: int | None) -> int | None:
-        if truncate is None:
-            return None
-        if truncate == MAX_TRUNCATE:
-            return self.max_model_len
-        if not 1 <= truncate <= self.max_model_len:
-            raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len}] "
-                             f"({self.name}'s limit), got {truncate}")
-        return truncate
-
-    def check_lengths(self, ids: Sequence[Sequence[int]]) -> None:
-        for i, seq in enumerate(ids):
-            if not seq:
-                raise EmbeddingInputError(i, "is empty: an embedding needs at least one token")
-            if len(seq) > self.max_model_len:
-                raise InputTooLong(i, f"{len(seq)} tokens, over {self.name}'s limit of {self.max_model_len}; "
-                                   "ask for truncation (truncate_prompt_tokens) to cut it")
-
     # ---- token ids → vectors ---------------------------------------------------------------------
-    def embed(self, texts: Sequence[str], truncate: int | None = None) -> np.ndarray:
-        """[len(texts), dimensions] float32, in the texts' order."""
-        return self.embed_token_ids(self.tokenize(texts, truncate))
-
     @torch.inference_mode()
     def embed_token_ids(self, ids: Sequence[Sequence[int]]) -> np.ndarray:
         """Vectors of inputs already within the limit (`tokenize` / `token_ids`)."""
@@ -223,15 +127,6 @@ class Embedder:
         s.forwards += 1
         s.padded_tokens += len(packed.lengths) * packed.longest
         s.seconds += seconds
-
-
-def matryoshka_dimensions(cfg: dict[str, Any]) -> tuple[int, ...] | None:
-    """The sizes a model's vectors may be cut to, as vLLM reads config.json: None (not a
-    Matryoshka model), () for any size (`is_matryoshka`), or the listed `matryoshka_dimensions`."""
-    listed = cfg.get("matryoshka_dimensions")
-    if isinstance(listed, list) and listed:
-        return tuple(int(d) for d in listed)
-    return () if cfg.get("is_matryoshka") is True else None
 
 
 def embedding_model_folder(model: str | None) -> Path:
