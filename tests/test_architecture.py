@@ -18,7 +18,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "tokenmill"
 
 # Each part of tokenmill/ and the parts it may import (besides itself). Arrows only point down:
-# cascade → choose; serve, choose, split → jobs → openai_compat, engines, bench → engine, embed, vllm_engine → models,
+# cascade → choose; serve, choose, split → jobs → openai_compat, engines, bench → vllm_engine → embed → engine → models,
 # plan → cost, environment, formats; jobs, bench → http_client.
 LAYERS: dict[str, set[str]] = {
     "cost": set(),
@@ -29,10 +29,11 @@ LAYERS: dict[str, set[str]] = {
     "plan": {"cost", "environment", "formats"},
     "models": {"environment", "formats"},
     "engine": {"models", "plan", "cost", "environment", "settings"},  # plan: hardware names as prices
-    "embed": {"models", "environment", "settings"},  # the embedding engine: an encoder and its pooling
+    # the embedding engine: an encoder and its pooling, or a decoder on the engine's model runner
+    "embed": {"engine", "models", "environment", "settings"},
     # vLLM behind the engine's interface; args.py: every in-process engine's flags → its spec
     "vllm_engine": {"engine", "embed", "models", "environment", "settings"},
-    "engines": {"engine", "vllm_engine", "models"},  # which in-process engine: the one loader of a spec
+    "engines": {"engine", "embed", "vllm_engine", "models"},  # which in-process engine: the one loader of a spec
     "bench": {"engines", "engine", "vllm_engine", "models", "plan", "cost", "environment", "openai_compat",
               "http_client"},
     "openai_compat": {"engine", "embed"},

@@ -105,7 +105,8 @@ def test_documents_and_csv_rows_are_embedded_with_their_columns_kept(tmp_path: P
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--max-num-seqs", "4"], "--max-num-seqs: not for an embedding model"),
-    (["--engine", "vllm"], "--engine vllm: not for an embedding model"),
+    (["--engine", "vllm", "--weight-format", "q8"], "--weight-format: tokenmill's embedder's, not vLLM's"),
+    (["--engine", "vllm", "--max-num-seqs", "4"], "--max-num-seqs: not for an embedding model"),
     (["--embed", "--model", "smollm2"], "--model smollm2 is not an embedding model"),
     (["--embed", "--completions"], "--embed and --completions send documents to two different endpoints"),
 ])

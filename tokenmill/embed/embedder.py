@@ -2,7 +2,7 @@
 
 A model (a sentence-transformers folder, a bare BertModel folder, a hub id or a named model) is
 loaded once: its network (an encoder, models/encoder.py, or a decoder with a sentence-transformers
-pooling, decoder_model.py), its pooling (models/pooling.py) and its tokenizer.
+pooling, engine/hidden_states.py), its pooling (models/pooling.py) and its tokenizer.
 Inputs are sorted by length within a window and packed into forwards of at most
 `max_num_batched_tokens` (batching.py), so the linear layers never see padding and attention sees
 little; vectors come back in the inputs' order.
@@ -43,7 +43,7 @@ from tokenmill.models.quant import kernel_available
 
 
 class EmbeddingNetwork(Protocol):
-    """Packed token ids → each token's final state: an encoder, or a decoder (decoder_model.py)."""
+    """Packed token ids → each token's final state: an encoder, or a decoder (engine/hidden_states.py)."""
 
     hidden_size: int
     vocab_size: int
@@ -90,7 +90,7 @@ class Embedder(EmbeddingInputs):
             network: EmbeddingNetwork = build_encoder(encoder_config, state, self.config.weight_bits)
             return network, pooling or PoolingConfig(PoolingMode.CLS, normalize=False)
         _refuse_non_embedding(cfg, self.folder)
-        from tokenmill.embed.decoder_model import DecoderEmbeddingModel
+        from tokenmill.engine import DecoderEmbeddingModel
 
         weight_format = "q8" if self.config.weight_bits == 8 else "fp32"
         return DecoderEmbeddingModel(self.folder, weight_format, self.config.max_num_batched_tokens), pooling

@@ -58,6 +58,9 @@ class EmbeddingInputs:
         """Vectors of inputs already within the limit (`tokenize` / `token_ids`), in their order."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Let go of what the engine holds outside this process (vLLM's engine process)."""
+
     # ---- inputs → token ids ----------------------------------------------------------------------
     def tokenize(self, texts: Sequence[str], truncate: int | None = None) -> list[list[int]]:
         """Each text's token ids, special tokens included, as sentence-transformers tokenizes it.

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the same names, for readers and type checkers
     from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.hidden_states import DecoderEmbeddingModel
     from tokenmill.engine.interface import (
         EngineCapabilities,
         EngineRequest,
@@ -48,6 +49,7 @@ _EXPORTS = {
     "DEFAULT_CHAT_TEMPLATE_KWARGS": "llm",
     "DEFAULT_MAX_TOKENS": "sampling_params",
     "DEFAULT_TEMPERATURE": "sampling_params",
+    "DecoderEmbeddingModel": "hidden_states",
     "MAX_LOGPROBS": "sampling_params",
     "LLM": "llm",
     "EngineCapabilities": "interface",
@@ -78,6 +80,7 @@ __all__ = [
     "DEFAULT_TEMPERATURE",
     "LLM",
     "MAX_LOGPROBS",
+    "DecoderEmbeddingModel",
     "EngineCapabilities",
     "EngineConfig",
     "EngineRequest",

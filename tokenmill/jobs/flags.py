@@ -16,6 +16,7 @@ from tokenmill.engine.args import (
     add_structured_output_arguments,
     structured_outputs_from_args,
 )
+from tokenmill.engines import EmbeddingSpec
 from tokenmill.environment import NAMED_MODELS, client_api_key, readable_file
 from tokenmill.jobs.backends import BatchApiSpec, EndpointSpec, RateLimit, RayOptions, RaySpec, RetryPolicy
 from tokenmill.jobs.config import JobConfig
@@ -172,8 +173,9 @@ def backend_spec(args: argparse.Namespace) -> BackendSpec:
     return RaySpec(endpoints if urls else engine, RayOptions(**given_settings(args, RayOptions)))  # type: ignore[arg-type]
 
 
-def embedding_spec(args: argparse.Namespace) -> EmbeddingConfig:
-    """An embedding model in this process (Ray replicas do not embed yet: --ray is refused)."""
+def embedding_spec(args: argparse.Namespace) -> EmbeddingSpec:
+    """An embedding model in this process, tokenmill's or vLLM's (Ray replicas do not embed yet:
+    --ray is refused)."""
     spec = vllm_args.embedding_spec(args, ["--ray"] if args.ray else [])
     model = args.model
     hub_id = model is not None and not Path(model).expanduser().exists() and _looks_like_hub_id(model)

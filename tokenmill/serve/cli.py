@@ -15,9 +15,9 @@ from tokenmill.serve.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_UPLOAD
 from tokenmill.vllm_engine.args import add_engine_choice, embedding_spec, engine_spec
 
 if TYPE_CHECKING:
-    from tokenmill.embed.config import EmbeddingConfig
-    from tokenmill.embed.embedder import Embedder
+    from tokenmill.embed.inputs import EmbeddingInputs
     from tokenmill.engine import InProcessModel
+    from tokenmill.engines import EmbeddingSpec
 
 # Live requests go ahead of Batch API lines under "priority" (vLLM schedules by it too).
 ENGINE_DEFAULTS = {"scheduling_policy": "priority"}
@@ -81,22 +81,24 @@ def run(args: argparse.Namespace) -> int:
         try:
             uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
         finally:
+            # vLLM's engine process goes with the server, not at interpreter exit
             if state.loop:
-                state.loop.engine.close()  # vLLM's engine process goes with the server, not at interpreter exit
+                state.loop.engine.close()
+            if state.embeddings:
+                state.embeddings.embedder.close()
     return 0
 
 
-def _load_model(args: argparse.Namespace) -> InProcessModel | Embedder:
-    if is_embedding_model(args.model):
-        from tokenmill.embed.embedder import Embedder
+def _load_model(args: argparse.Namespace) -> InProcessModel | EmbeddingInputs:
+    from tokenmill.engines import load_embedder, load_engine
 
-        return Embedder.from_config(_embedding_config(args))
-    from tokenmill.engines import load_engine
+    if is_embedding_model(args.model):
+        return load_embedder(_embedding_config(args))
 
     return load_engine(engine_spec(args))
 
 
-def _embedding_config(args: argparse.Namespace) -> EmbeddingConfig:
+def _embedding_config(args: argparse.Namespace) -> EmbeddingSpec:
     """An embedding model's settings; --max-tokens-limit, a generation limit, is refused by name."""
     refused = ["--max-tokens-limit"] if args.max_tokens_limit is not None else []
     return embedding_spec(args, refused, command_defaults=frozenset(ENGINE_DEFAULTS))

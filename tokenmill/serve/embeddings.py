@@ -1,4 +1,4 @@
-"""`/v1/embeddings` on a server whose model is an `Embedder`, live and through the Batch API.
+"""`/v1/embeddings` on a server whose model is an embedding model (`EmbeddingInputs`), live and through the Batch API.
 
 One thread runs the embedder, tokenizing and forwards alike: a forward already uses every core,
 and a Hugging Face tokenizer must not be called from two threads at once (truncation changes its
@@ -24,7 +24,8 @@ from tokenmill.serve.errors import APIError
 if TYPE_CHECKING:
     import numpy as np
 
-    from tokenmill.embed.embedder import Embedder
+    from tokenmill.embed.inputs import EmbeddingInputs
+
 
 # Inputs a Batch API batch embeds per turn on the embedding thread: about 100 ms of forwards on
 # a few CPU cores for short texts, which is what a live request may have to wait behind.
@@ -32,7 +33,7 @@ BATCH_WINDOW_INPUTS = 256
 
 
 class EmbeddingService:
-    def __init__(self, embedder: Embedder, model: str) -> None:
+    def __init__(self, embedder: EmbeddingInputs, model: str) -> None:
         """`model`: the served model name, which every response names."""
         self.embedder, self.model = embedder, model
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-embed")
@@ -102,7 +103,7 @@ class _OnThread:
     """The embedder as a batch's backend calls it from the Batch API's thread: each method runs on
     the embedding thread, in turn with live requests, and the caller waits for it."""
 
-    def __init__(self, embedder: Embedder, submit: Callable[..., Any]) -> None:
+    def __init__(self, embedder: EmbeddingInputs, submit: Callable[..., Any]) -> None:
         self._embedder, self._submit = embedder, submit
 
     def __getattr__(self, name: str) -> Any:

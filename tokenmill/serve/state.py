@@ -9,8 +9,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tokenmill.embed.inputs import EmbeddingInputs
 from tokenmill.engine import InProcessModel
 from tokenmill.jobs.backends import Backend
 from tokenmill.jobs.journal import OutputLock
@@ -22,9 +23,6 @@ from tokenmill.serve.engine_loop import EngineLoop
 from tokenmill.serve.errors import APIError, bad_request
 from tokenmill.serve.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_UPLOAD_BYTES
 from tokenmill.serve.metrics import ServeMetrics
-
-if TYPE_CHECKING:
-    from tokenmill.embed.embedder import Embedder
 
 LOCK_NAME = "serve.lock"  # in the state dir, held by the server that owns it
 
@@ -50,7 +48,7 @@ EMBED = Task("embed", (EMBEDDINGS_URL,), "an embedding model")
 
 @dataclass
 class ServeState:
-    llm: InProcessModel | Embedder  # the embedded engine or vLLM's; or an embedding model
+    llm: InProcessModel | EmbeddingInputs  # the embedded engine or vLLM's; or an embedding model
     model_name: str
     state_dir: Path
     api_key: str | None = None
@@ -64,8 +62,6 @@ class ServeState:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
-        from tokenmill.embed.embedder import Embedder  # here: a model is loaded, so torch already is
-
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError(f"--max-tokens-limit must be at least 1, got {self.max_tokens_limit}")
         self.metrics = ServeMetrics(lambda: self.loop.snapshot if self.loop else None, self.model_name)
@@ -73,7 +69,7 @@ class ServeState:
         self.loop: EngineLoop | None = None
         self.backend: ServingBackend | None = None
         self.embeddings: EmbeddingService | None = None
-        if isinstance(self.llm, Embedder):
+        if isinstance(self.llm, EmbeddingInputs):
             self.task = EMBED
             self.embeddings = EmbeddingService(self.llm, self.model_name)
         else:

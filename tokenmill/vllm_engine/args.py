@@ -18,7 +18,7 @@ from tokenmill.embed.config import EmbeddingConfig
 from tokenmill.engine import EngineConfig, EngineSpec
 from tokenmill.engine.args import engine_settings, flag
 from tokenmill.settings import flag_of, given_settings, settings_of
-from tokenmill.vllm_engine.config import NAMED_ARGS, VllmConfig, vllm_has
+from tokenmill.vllm_engine.config import NAMED_ARGS, VllmConfig, VllmEmbeddingConfig, vllm_has
 
 ENGINES = ("embedded", "vllm")
 # The engine flags an embedding model takes (EmbeddingConfig's fields of the same names); the
@@ -93,17 +93,26 @@ def parse_engine_args(items: list[str]) -> dict[str, Any]:
 
 
 def embedding_spec(args: argparse.Namespace, refused: list[str] | None = None,
-                   command_defaults: frozenset[str] = frozenset()) -> EmbeddingConfig:
+                   command_defaults: frozenset[str] = frozenset()) -> EmbeddingConfig | VllmEmbeddingConfig:
     """An embedding model in this process, from the engine flags it shares with the generation
-    engine. The generation engine's other flags (and vLLM's, which does not embed here yet, and
-    `refused`: the command's own that cannot apply) raise ValueError naming them, rather than being
-    ignored. `command_defaults`: engine settings the command sets itself, not the user."""
+    engine: tokenmill's embedder, or with --engine vllm vLLM's pooling runner (which takes vLLM's
+    own flags too). The generation engine's other flags (and `refused`: the command's own that
+    cannot apply) raise ValueError naming them, rather than being ignored. `command_defaults`:
+    engine settings the command sets itself, not the user."""
     given = engine_settings(args).keys() - set(EMBEDDING_ENGINE_SETTINGS) - command_defaults
     flags = [flag_of(f) for f in settings_of(EngineConfig) if f.name in given]
-    if args.engine == "vllm":
-        flags.insert(0, "--engine vllm")
     flags += refused or []
     if flags:
         takes = [flag_of(f) for f in settings_of(EmbeddingConfig) if f.name in EMBEDDING_ENGINE_SETTINGS]
         raise ValueError(f"{', '.join(flags)}: not for an embedding model (it takes {', '.join(takes)})")
-    return EmbeddingConfig(**given_settings(args, EmbeddingConfig))
+    settings = given_settings(args, EmbeddingConfig)
+    if args.engine != "vllm":
+        return EmbeddingConfig(**settings)
+    sort_window = settings.pop("sort_window", EmbeddingConfig.sort_window)
+    own = [flag_of(f) for f in settings_of(EmbeddingConfig) if f.name in settings and not vllm_has(f.name)]
+    if own:
+        raise ValueError(f"{', '.join(own)}: tokenmill's embedder's, not vLLM's (--engine vllm takes vLLM's "
+                         "flags and --engine-arg KEY=VALUE)")
+    named = {name: getattr(args, f"vllm_{name}") for name in NAMED_ARGS if getattr(args, f"vllm_{name}") is not None}
+    vllm = VllmConfig.from_settings(settings, **named, engine_args=parse_engine_args(args.engine_arg))
+    return VllmEmbeddingConfig(vllm, sort_window)

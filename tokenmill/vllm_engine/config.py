@@ -88,3 +88,19 @@ class VllmConfig:
     def for_share_of_machine(self, share: float) -> VllmConfig:
         """vLLM sizes its KV cache itself (gpu_memory_utilization): nothing to change per replica."""
         return self
+
+
+@dataclass(frozen=True)
+class VllmEmbeddingConfig:
+    """An embedding model on vLLM's pooling runner (`--engine vllm` with an embedding model):
+    `vllm` reaches vllm.LLM as a generation model's does; `sort_window` is the job's, as for the
+    embedded embedder (embed/config.py EmbeddingConfig)."""
+
+    engine: ClassVar[str] = "vllm"
+
+    vllm: VllmConfig
+    sort_window: int
+
+    @property
+    def model(self) -> str | None:
+        return self.vllm.model

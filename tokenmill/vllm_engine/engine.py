@@ -67,7 +67,7 @@ def _refusal_types() -> tuple[type[Exception], ...]:
     return (ValueError, TypeError, VLLMClientError)
 
 
-def _cpu_defaults() -> bool:
+def set_cpu_defaults() -> bool:
     """On a machine without a GPU (returns True there), vLLM's CPU build keeps a core for its front
     end and binds its threads its own way; a batch job wants every core on the model. Settings
     already in the environment win. LD_PRELOAD reaches vLLM's engine process, which starts after
@@ -121,7 +121,7 @@ class VllmEngine:
         """`config.vllm_engine_args()` go to vllm.EngineArgs as they are; on a CPU without a KV
         budget of the user's, vLLM's cache gets the embedded engine's default budget (vLLM would
         take 92% of the machine's memory, its GPU default)."""
-        on_cpu = _cpu_defaults()
+        on_cpu = set_cpu_defaults()
         vllm = import_vllm()
         self.config = config
         self.model = config.model

@@ -3,7 +3,8 @@
 `tokenmill run`'s flags (flags.py), each `tokenmill choose` candidate and a Python caller build one
 of these, each beside the backend it describes:
 - `EngineConfig` / `VllmConfig` (engine/, vllm_engine/): an engine in this process (embedded.py);
-- `EmbeddingConfig` (embed/): an embedding model in this process (embedding.py);
+- `EmbeddingConfig` / `VllmEmbeddingConfig` (embed/, vllm_engine/): an embedding model in this process
+  (embedding.py);
 - `EndpointSpec` (endpoint.py): an OpenAI-compatible server, or a tuple of them that share the rows;
 - `BatchApiSpec` (batch_api.py): an OpenAI-compatible server's Batch API (half price on OpenAI);
 - `RaySpec` (ray_runner.py): Ray replicas, each running one of those.
@@ -21,10 +22,10 @@ from tokenmill.jobs.backends.base import Backend
 from tokenmill.jobs.backends.batch_api import BatchApiSpec
 from tokenmill.jobs.backends.endpoint import EndpointSpec
 from tokenmill.jobs.backends.ray import RaySpec
-from tokenmill.vllm_engine.config import VllmConfig
+from tokenmill.vllm_engine.config import VllmConfig, VllmEmbeddingConfig
 
-BackendSpec = (EngineConfig | VllmConfig | EmbeddingConfig | EndpointSpec | tuple[EndpointSpec, ...] | BatchApiSpec
-               | RaySpec)
+BackendSpec = (EngineConfig | VllmConfig | EmbeddingConfig | VllmEmbeddingConfig | EndpointSpec
+               | tuple[EndpointSpec, ...] | BatchApiSpec | RaySpec)
 
 
 def build_backend(spec: BackendSpec) -> Backend:
@@ -41,7 +42,7 @@ def build_backend(spec: BackendSpec) -> Backend:
         from tokenmill.jobs.backends.endpoint import EndpointBackend
 
         return EndpointBackend(spec)
-    if isinstance(spec, EmbeddingConfig):
+    if isinstance(spec, EmbeddingConfig | VllmEmbeddingConfig):
         from tokenmill.jobs.backends.embedding import EmbeddingBackend
 
         return EmbeddingBackend(spec)

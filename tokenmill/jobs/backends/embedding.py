@@ -1,6 +1,7 @@
-"""The in-process embedding backend: `/v1/embeddings` rows through an `Embedder` in this process.
+"""The in-process embedding backend: `/v1/embeddings` rows through an embedding model in this
+process (tokenmill's `Embedder`, or vLLM's pooling runner: engines.py `load_embedder`).
 
-Rows are taken a window at a time (up to `EmbeddingConfig.sort_window` inputs), every input of the
+Rows are taken a window at a time (up to the spec's `sort_window` inputs), every input of the
 window is embedded in length-sorted batches (embed/batching.py), and each row is written once all
 of its inputs have their vectors. A stop (Ctrl-C) ends the job after the window in hand; a kill
 loses at most that window, which a re-run does again.
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from tokenmill.embed.config import EmbeddingConfig
+from tokenmill.engines import EmbeddingSpec
 from tokenmill.environment import DEFAULT_EMBEDDING_MODEL, model_name
 from tokenmill.jobs.backends.base import BackendStats, BackendUnavailable, ResultSink, StopFlag
 from tokenmill.jobs.input.request import BatchRequest
@@ -20,13 +22,13 @@ from tokenmill.jobs.journal.rows import ErrorCode
 from tokenmill.openai_compat import EMBEDDINGS_URL, RequestError, embedding_inputs, embedding_response_body
 
 if TYPE_CHECKING:
-    from tokenmill.embed.embedder import Embedder
+    from tokenmill.embed.inputs import EmbeddingInputs
 
 
 class EmbeddingBackend:
     kind = "embedding"
 
-    def __init__(self, spec: EmbeddingConfig | None = None, *, embedder: Embedder | None = None) -> None:
+    def __init__(self, spec: EmbeddingSpec | None = None, *, embedder: EmbeddingInputs | None = None) -> None:
         """`spec`: the model to load in `start`; `embedder`: one already loaded instead (tests)."""
         self.spec = spec or EmbeddingConfig()
         self._embedder = embedder
@@ -42,10 +44,10 @@ class EmbeddingBackend:
     def start(self) -> None:
         if self._embedder is None:
             start = time.monotonic()
-            from tokenmill.embed.embedder import Embedder
+            from tokenmill.engines import load_embedder
 
             try:
-                self._embedder = Embedder.from_config(self.spec)
+                self._embedder = load_embedder(self.spec)
             except (ValueError, FileNotFoundError) as exc:  # not an encoder, not there: no line's fault
                 raise BackendUnavailable(str(exc)) from exc
             self._load_s = time.monotonic() - start

@@ -1,8 +1,7 @@
-"""A decoder (models/decoder.py: Llama, Qwen2/3, Gemma 3, ...) as an embedding model, as in
-Qwen3-Embedding: whole inputs through the causal forward, one batch a step in a KV cache of its own,
-and the final states given to the folder's pooling (models/pooling.py: its last token's, or the
-mean). Its checkpoint may be the bare backbone (`Qwen3Model`: no `model.` prefix, no output layer).
-"""
+"""A decoder (models/decoder.py: Llama, Qwen2/3, Gemma 3, ...) as an embedding model's network, as
+in Qwen3-Embedding: whole inputs through the causal forward, one batch a step, in a KV cache of its
+own; the embedder (embed/embedder.py) pools the final states as the model's folder says. Its
+checkpoint may be the bare backbone (`Qwen3Model`: no `model.` prefix, no output layer)."""
 
 from __future__ import annotations
 
