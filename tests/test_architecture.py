@@ -34,7 +34,7 @@ LAYERS: dict[str, set[str]] = {
     # vLLM behind the engine's interface; args.py: every in-process engine's flags → its spec
     "vllm_engine": {"engine", "embed", "models", "environment", "settings"},
     "engines": {"engine", "embed", "vllm_engine", "models"},  # which in-process engine: the one loader of a spec
-    "bench": {"engines", "engine", "vllm_engine", "models", "plan", "cost", "environment", "openai_compat",
+    "bench": {"engines", "engine", "embed", "vllm_engine", "models", "plan", "cost", "environment", "openai_compat",
               "http_client"},
     "openai_compat": {"engine", "embed"},
     "jobs": {"openai_compat", "engines", "engine", "embed", "vllm_engine", "models", "plan", "cost", "environment",

@@ -9,12 +9,14 @@ from typing import Any
 
 from tokenmill.bench.runner import SweepConfig, run_sweep
 from tokenmill.bench.workloads import DISTRIBUTIONS, LengthSpec, Workload
+from tokenmill.embed.config import is_embedding_model
 from tokenmill.engine import EngineSpec
 from tokenmill.engine.args import add_engine_arguments
 from tokenmill.environment import CLIENT_API_KEY_ENV, client_api_key
 from tokenmill.plan.price import FLAG_HELP as PRICE_HELP
 from tokenmill.plan.price import hourly_price_arg
 from tokenmill.vllm_engine import add_engine_choice, engine_spec
+from tokenmill.vllm_engine.args import embedding_spec
 
 # The protocol of the published batch-throughput study (docs/bench.md, batch-study.md).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -71,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"bench: unexpected arguments {[str(f) for f in args.files]} (did you mean compare?)")
     if args.endpoint and args.engine != ["embedded"]:
         raise ValueError("bench: --engine measures engines in this process; --endpoint measures a server: give one")
+    if not args.endpoint and is_embedding_model(args.model):
+        return run_embedding_bench(args)
     workload, cfg = resolve(args)
     specs = {engine: engine_spec(args, engine, max_num_seqs=max(cfg.batch_sizes)) for engine in args.engine}
     from tokenmill.bench.report import terminal, to_json, write_all
@@ -91,6 +95,42 @@ def run(args: argparse.Namespace) -> int:
         from tokenmill.bench.compare import run_compare
 
         print(run_compare(files, args.out))
+    return 0
+
+
+# Workload flags of a generation bench, which an embedding model's refuses rather than ignores.
+_GENERATION_ONLY = {"output_len": "--output-len", "prefix_len": "--prefix-len", "prompts": "--prompts",
+                    "preset": "--preset", "num_requests": "--num-requests"}
+
+
+def run_embedding_bench(args: argparse.Namespace) -> int:
+    """An embedding model: inputs/s and tokens/s by batch size and length mix (bench/embeddings.py),
+    for each --engine in turn."""
+    from tokenmill.bench import embeddings
+    from tokenmill.engines import load_embedder
+
+    given = [flag for name, flag in _GENERATION_ONLY.items() if getattr(args, name)]
+    if given:
+        raise ValueError(f"{', '.join(given)}: not for an embedding model (its bench takes --batch-sizes, "
+                         "--input-len/--input-dist/--input-spread, --runs, --price-per-hour)")
+    specs = {engine: embedding_spec(args, engine=engine) for engine in args.engine}  # every flag checked first
+    mixes = (embeddings.MIXES if args.input_len is None
+             else {"custom": LengthSpec(args.input_len, args.input_dist, args.input_spread)})
+    batches = (embeddings.BATCH_SIZES if args.batch_sizes is None else
+               tuple(int(b) for b in args.batch_sizes.split(",") if b.strip()))
+    price = args.price_per_hour
+    for engine, spec in specs.items():
+        embedder = load_embedder(spec)
+        try:
+            data = embeddings.run_embedding_sweep(
+                embedder, f"{embedder.name} ({engine})", mixes, batches, args.runs or DEFAULTS["runs"], args.seed,
+                None if price is None else price.usd, None if price is None else price.source,
+                log=lambda m: print(m, file=sys.stderr))
+        finally:
+            embedder.close()
+        paths = embeddings.write_reports(data, args.out / engine if len(specs) > 1 else args.out)
+        embeddings.terminal(data)
+        print("wrote " + " · ".join(str(p) for p in paths.values()))
     return 0
 
 

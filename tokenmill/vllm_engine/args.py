@@ -93,12 +93,13 @@ def parse_engine_args(items: list[str]) -> dict[str, Any]:
 
 
 def embedding_spec(args: argparse.Namespace, refused: list[str] | None = None,
-                   command_defaults: frozenset[str] = frozenset()) -> EmbeddingConfig | VllmEmbeddingConfig:
+                   command_defaults: frozenset[str] = frozenset(),
+                   engine: str | None = None) -> EmbeddingConfig | VllmEmbeddingConfig:
     """An embedding model in this process, from the engine flags it shares with the generation
     engine: tokenmill's embedder, or with --engine vllm vLLM's pooling runner (which takes vLLM's
     own flags too). The generation engine's other flags (and `refused`: the command's own that
     cannot apply) raise ValueError naming them, rather than being ignored. `command_defaults`:
-    engine settings the command sets itself, not the user."""
+    engine settings the command sets itself, not the user; `engine`: one of a bench's list."""
     given = engine_settings(args).keys() - set(EMBEDDING_ENGINE_SETTINGS) - command_defaults
     flags = [flag_of(f) for f in settings_of(EngineConfig) if f.name in given]
     flags += refused or []
@@ -106,7 +107,7 @@ def embedding_spec(args: argparse.Namespace, refused: list[str] | None = None,
         takes = [flag_of(f) for f in settings_of(EmbeddingConfig) if f.name in EMBEDDING_ENGINE_SETTINGS]
         raise ValueError(f"{', '.join(flags)}: not for an embedding model (it takes {', '.join(takes)})")
     settings = given_settings(args, EmbeddingConfig)
-    if args.engine != "vllm":
+    if (engine or chosen_engines(args)[0]) != "vllm":
         return EmbeddingConfig(**settings)
     sort_window = settings.pop("sort_window", EmbeddingConfig.sort_window)
     own = [flag_of(f) for f in settings_of(EmbeddingConfig) if f.name in settings and not vllm_has(f.name)]
