@@ -10,6 +10,7 @@ Bodies and response bodies are openai_compat's, as in a `tokenmill run` job.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from tokenmill.embed.inputs import EmbeddingInputs
+    from tokenmill.serve.metrics import ServeMetrics
 
 
 # Inputs a Batch API batch embeds per turn on the embedding thread: about 100 ms of forwards on
@@ -33,9 +35,9 @@ BATCH_WINDOW_INPUTS = 256
 
 
 class EmbeddingService:
-    def __init__(self, embedder: EmbeddingInputs, model: str) -> None:
+    def __init__(self, embedder: EmbeddingInputs, model: str, metrics: ServeMetrics | None = None) -> None:
         """`model`: the served model name, which every response names."""
-        self.embedder, self.model = embedder, model
+        self.embedder, self.model, self.metrics = embedder, model, metrics
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-embed")
         self._waiting: list[tuple[list[list[int]], asyncio.Future[np.ndarray]]] = []
         self._forwards: asyncio.Task[None] | None = None
@@ -47,13 +49,17 @@ class EmbeddingService:
 
     async def respond(self, request: EmbeddingRequest) -> dict[str, Any]:
         """The response body; RequestError (a 400) for an input the model cannot embed as asked."""
+        start = time.monotonic()
         ids = await asyncio.get_running_loop().run_in_executor(self._thread, embedding_inputs, request, self.embedder)
         try:
             vectors = await self._embed(ids)
         except Exception as exc:
             raise APIError(500, f"the embedding model failed on this request: {exc}", type="server_error") from None
+        prompt_tokens = sum(map(len, ids))
+        if self.metrics is not None:
+            self.metrics.embedding_request_finished(prompt_tokens, time.monotonic() - start)
         return embedding_response_body(request, self.embedder.shorten(vectors, request.dimensions), self.model,
-                                       sum(map(len, ids)))
+                                       prompt_tokens)
 
     async def _embed(self, ids: list[list[int]]) -> np.ndarray:
         done: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()

@@ -9,11 +9,15 @@ dashboards built for vLLM work unchanged and the two names can never disagree.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tokenmill.engine import SchedulerMetrics
+
+if TYPE_CHECKING:
+    from tokenmill.embed.inputs import EmbedderStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
@@ -40,7 +44,10 @@ VLLM_LABELS = {"finish_reason": "finished_reason"}  # vLLM's spelling of a label
 
 
 class ServeMetrics:
-    def __init__(self, snapshot: Callable[[], SchedulerMetrics | None], model_name: str) -> None:
+    def __init__(self, snapshot: Callable[[], SchedulerMetrics | None], model_name: str,
+                 embedding_stats: Callable[[], EmbedderStats | None] = lambda: None) -> None:
+        """`snapshot`: the engine thread's latest scheduler state; `embedding_stats`: an embedding
+        model's running totals (live requests and Batch API lines alike)."""
         own = CollectorRegistry()  # the tokenmill_* series; `registry` serves them under both names
         self.time_to_first_token = Histogram(
             "tokenmill_time_to_first_token_seconds", "arrival to first generated token", buckets=LATENCY_BUCKETS,
@@ -57,11 +64,18 @@ class ServeMetrics:
         for reason in ("stop", "length", "abort"):  # exported as 0 before the first one happens
             self.requests_finished.labels(finish_reason=reason)
         own.register(_SchedulerCollector(snapshot))
+        own.register(_EmbeddingCollector(embedding_stats))
         self.registry = CollectorRegistry()
         self.registry.register(_WithVllmNames(own, model_name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def embedding_request_finished(self, prompt_tokens: int, seconds: float) -> None:
+        """A live /v1/embeddings request answered: counted as vLLM counts a pooling request."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.requests_finished.labels(finish_reason="stop").inc()
+        self.e2e_latency.observe(seconds)
 
 
 class _WithVllmNames:
@@ -113,3 +127,19 @@ class _SchedulerCollector:
                                   value=stats.prefill_tokens)
         yield CounterMetricFamily("tokenmill_decode_tokens", "tokens computed by decode steps",
                                   value=stats.decode_tokens)
+
+
+class _EmbeddingCollector:
+    """An embedding model's totals at scrape time: inputs embedded, their tokens, forward seconds."""
+
+    def __init__(self, stats: Callable[[], EmbedderStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        if stats is None:
+            return
+        yield CounterMetricFamily("tokenmill_embedding_inputs", "inputs embedded (one vector each)", value=stats.inputs)
+        yield CounterMetricFamily("tokenmill_embedding_tokens", "tokens of the inputs embedded", value=stats.tokens)
+        yield CounterMetricFamily("tokenmill_embedding_forward_seconds", "seconds in the embedding model's forwards",
+                                  value=stats.seconds)

@@ -64,14 +64,15 @@ class ServeState:
     def __post_init__(self) -> None:
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError(f"--max-tokens-limit must be at least 1, got {self.max_tokens_limit}")
-        self.metrics = ServeMetrics(lambda: self.loop.snapshot if self.loop else None, self.model_name)
+        self.metrics = ServeMetrics(lambda: self.loop.snapshot if self.loop else None, self.model_name,
+                                    lambda: self.embeddings.embedder.stats if self.embeddings else None)
         # A generation model has the engine loop and its backend, an embedding model its service.
         self.loop: EngineLoop | None = None
         self.backend: ServingBackend | None = None
         self.embeddings: EmbeddingService | None = None
         if isinstance(self.llm, EmbeddingInputs):
             self.task = EMBED
-            self.embeddings = EmbeddingService(self.llm, self.model_name)
+            self.embeddings = EmbeddingService(self.llm, self.model_name, self.metrics)
         else:
             self.task = GENERATE
             self.loop = EngineLoop(self.llm.engine, self.metrics)
