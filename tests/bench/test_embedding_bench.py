@@ -13,7 +13,7 @@ from tokenmill.bench import cli
 
 
 def test_an_embedding_model_is_benched_by_batch_size_and_length_mix(tmp_path: Path) -> None:
-    args = parse("--model", "all-minilm-l6-v2", "--batch-sizes", "1,16", "--input-len", "12", "--runs", "1",
+    args = parse("--model", "all-minilm-l6-v2", "--batch-sizes", "1,16", "--input-len", "12", "--runs", "2",
                  "--price-per-hour", "0.5", "--out", str(tmp_path), "--max-num-batched-tokens", "64")
     assert cli.run(args) == 0
     data = json.loads((tmp_path / "bench.json").read_text())
@@ -38,3 +38,15 @@ def test_an_embedding_model_is_benched_by_batch_size_and_length_mix(tmp_path: Pa
 def test_generation_flags_are_refused_for_an_embedding_model(flags: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         cli.run(parse("--model", "all-minilm-l6-v2", *flags))
+
+
+def test_engines_measured_together_are_compared_point_by_point() -> None:
+    from tokenmill.bench.embeddings import compare
+
+    def data(label: str, speeds: list[float]) -> dict:
+        return {"label": label, "points": [{"mix": "short", "batch_size": b, "tokens_per_s": v}
+                                           for b, v in zip((1, 8), speeds, strict=True)]}
+
+    table = compare([data("a", [300.0, 900.0]), data("b", [100.0, 1000.0])]).splitlines()
+    assert table[0] == "| mix | batch | a tok/s | b tok/s | × b |"
+    assert table[2:] == ["| short | 1 | 300 | 100 | 3.00× |", "| short | 8 | 900 | 1,000 | 0.90× |"]

@@ -118,7 +118,7 @@ def run_embedding_bench(args: argparse.Namespace) -> int:
              else {"custom": LengthSpec(args.input_len, args.input_dist, args.input_spread)})
     batches = (embeddings.BATCH_SIZES if args.batch_sizes is None else
                tuple(int(b) for b in args.batch_sizes.split(",") if b.strip()))
-    price = args.price_per_hour
+    price, measured = args.price_per_hour, []
     for engine, spec in specs.items():
         embedder = load_embedder(spec)
         try:
@@ -131,6 +131,11 @@ def run_embedding_bench(args: argparse.Namespace) -> int:
         paths = embeddings.write_reports(data, args.out / engine if len(specs) > 1 else args.out)
         embeddings.terminal(data)
         print("wrote " + " · ".join(str(p) for p in paths.values()))
+        measured.append(data)
+    if len(measured) > 1:
+        table = embeddings.compare(measured)
+        (args.out / "compare.md").write_text(table + "\n")
+        print(table)
     return 0
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -61,7 +60,7 @@ def run_embedding_sweep(embedder: Any, label: str, mixes: dict[str, LengthSpec],
         for batch in batch_sizes:
             measured = [_one_run(embedder, name, batch, draw(mix, -(-max(batch, MIN_INPUTS) // batch) * batch))
                         for _ in range(runs)]
-            point = statistics.median_low(sorted(measured, key=lambda p: p.tokens_per_s))  # type: ignore[type-var]
+            point = sorted(measured, key=lambda p: p.tokens_per_s)[(runs - 1) // 2]  # the median (lower, if even)
             log(f"{name} batch {batch}: {point.tokens_per_s:,.0f} tok/s, {point.inputs / point.seconds:,.1f} "
                 f"inputs/s (other processes: {_share(point.other_cpu)} CPU)")
             points.append(point.row(price))
@@ -134,6 +133,23 @@ def write_reports(data: dict[str, Any], out: Path) -> dict[str, Path]:
         f"{env.get('torch_threads')}; {env.get('created_utc')}.", "", md_table(rows(data)), ""]))
     _plot(data, paths["png"])
     return paths
+
+
+def compare(datasets: list[dict[str, Any]]) -> str:
+    """Engines measured in one run, point by point: each one's tokens/s, and the first's ratio to
+    each of the others."""
+    first, others = datasets[0], datasets[1:]
+    names = [d["label"] for d in datasets]
+    head = ["mix", "batch", *[f"{n} tok/s" for n in names], *[f"× {n}" for n in names[1:]]]
+    table = []
+    for at, point in enumerate(first["points"]):
+        theirs = [d["points"][at] for d in others]
+        assert all((p["mix"], p["batch_size"]) == (point["mix"], point["batch_size"]) for p in theirs)
+        table.append(dict(zip(head, [point["mix"], str(point["batch_size"]),
+                                     *[f"{p['tokens_per_s']:,.0f}" for p in [point, *theirs]],
+                                     *[f"{point['tokens_per_s'] / p['tokens_per_s']:.2f}×" for p in theirs]],
+                          strict=True)))
+    return md_table(table)
 
 
 def _plot(data: dict[str, Any], path: Path) -> None:
