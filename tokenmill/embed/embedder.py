@@ -45,9 +45,14 @@ from tokenmill.models.quant import kernel_available
 class EmbeddingNetwork(Protocol):
     """Packed token ids → each token's final state: an encoder, or a decoder (engine/hidden_states.py)."""
 
-    hidden_size: int
-    vocab_size: int
-    max_positions: int
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_positions(self) -> int: ...
 
     def __call__(self, batch: PackedBatch) -> torch.Tensor: ...
 
