@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.engine.llm import LLM
 from tokenmill.serve.app import ServeState, create_app
@@ -56,3 +58,10 @@ def serving(llm: LLM, state_dir: Path, model_name: str, api_key: str | None = No
     finally:
         server.should_exit = True
         thread.join(timeout=60)
+
+
+def scrape(server: Running) -> dict[tuple[str, frozenset], float]:
+    """Every sample of /metrics: (name, its labels) → value."""
+    text = httpx.get(f"{server.url}/metrics").text
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}

@@ -145,30 +145,26 @@ def test_models_say_what_the_model_is_for(client: openai.OpenAI, embedder: Embed
                                  "dimensions": embedder.dimensions}
 
 
-def scrape(server: Running) -> dict[str, float]:
-    """/metrics as {series{labels}: value}."""
-    samples = {}
-    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples
-
-
 def test_metrics_count_embedding_requests_inputs_and_tokens(embedding_server: Running, client: openai.OpenAI,
                                                             embedder: Embedder) -> None:
-    before = scrape(embedding_server)
+    before = serve_helpers.scrape(embedding_server)
     client.embeddings.create(model=EMBEDDING_MODEL, input=TEXTS[:2])
-    after = scrape(embedding_server)
+    after = serve_helpers.scrape(embedding_server)
     tokens = sum(map(len, embedder.tokenize(TEXTS[:2])))
-    label = f'{{model_name="{EMBEDDING_MODEL}"}}'
-    success = f'vllm:request_success_total{{finished_reason="stop",model_name="{EMBEDDING_MODEL}"}}'
-    for series, grew in [("tokenmill_embedding_inputs_total", 2), ("tokenmill_embedding_tokens_total", tokens),
-                         ("tokenmill_prompt_tokens_total", tokens), (f"vllm:prompt_tokens_total{label}", tokens),
-                         (success, 1),
-                         (f"vllm:e2e_request_latency_seconds_count{label}", 1)]:
-        assert after[series] - before.get(series, 0.0) == grew, series
-    assert after["tokenmill_embedding_forward_seconds_total"] > before["tokenmill_embedding_forward_seconds_total"]
+    model = {"model_name": EMBEDDING_MODEL}
+
+    def sample(name: str, **labels: str) -> tuple[str, frozenset]:
+        return name, frozenset(labels.items())
+
+    for key, grew in [(sample("tokenmill_embedding_inputs_total"), 2),
+                      (sample("tokenmill_embedding_tokens_total"), tokens),
+                      (sample("tokenmill_prompt_tokens_total"), tokens),
+                      (sample("vllm:prompt_tokens_total", **model), tokens),
+                      (sample("vllm:request_success_total", finished_reason="stop", **model), 1),
+                      (sample("vllm:e2e_request_latency_seconds_count", **model), 1)]:
+        assert after[key] - before.get(key, 0.0) == grew, key
+    seconds = sample("tokenmill_embedding_forward_seconds_total")
+    assert after[seconds] > before[seconds]
 
 
 def batch_line(custom_id: str, body: dict, url: str = EMBEDDINGS_URL) -> bytes:

@@ -11,9 +11,9 @@ from collections.abc import AsyncGenerator, Callable
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serve.conftest import MODEL, Running
+from tests.serve_helpers import scrape
 from tokenmill.serve.openai_api import _EventStream
 
 PROMPT = "The capital of France is"
@@ -302,13 +302,6 @@ def test_bad_requests_through_the_client_and_raw(server: Running, client: openai
 def test_no_api_key_needed_when_none_is_set(server: Running) -> None:
     assert httpx.get(f"{server.v1}/models").status_code == 200
     assert httpx.get(f"{server.v1}/models", headers={"Authorization": "Bearer anything"}).status_code == 200
-
-
-def scrape(server: Running) -> dict[tuple[str, frozenset], float]:
-    """Every sample of /metrics: (name, its labels) → value."""
-    text = httpx.get(f"{server.url}/metrics").text
-    return {(sample.name, frozenset(sample.labels.items())): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
 def test_vllm_named_metrics_move_with_the_tokenmill_ones(server: Running, client: openai.OpenAI) -> None:

@@ -42,8 +42,8 @@ from tokenmill.models.pooling import PoolingConfig, PoolingMode, pool
 from tokenmill.models.quant import kernel_available
 
 
-class EmbeddingNetwork(Protocol):
-    """Packed token ids → each token's final state: an encoder, or a decoder (engine/hidden_states.py)."""
+class NetworkShape(Protocol):
+    """What the embedder reads of a network's config (EncoderConfig and ModelConfig alike)."""
 
     @property
     def hidden_size(self) -> int: ...
@@ -52,7 +52,14 @@ class EmbeddingNetwork(Protocol):
     def vocab_size(self) -> int: ...
 
     @property
-    def max_positions(self) -> int: ...
+    def max_position_embeddings(self) -> int: ...
+
+
+class EmbeddingNetwork(Protocol):
+    """Packed token ids → each token's final state: an encoder, or a decoder (engine/hidden_states.py)."""
+
+    @property
+    def config(self) -> NetworkShape: ...
 
     def __call__(self, batch: PackedBatch) -> torch.Tensor: ...
 
@@ -76,7 +83,7 @@ class Embedder(EmbeddingInputs):
         cfg = read_config(self.folder)
         self.model, self.pooling = self._build(cfg)
         self.matryoshka_dimensions = matryoshka_dimensions(cfg)
-        self.dimensions, self.vocab_size = self.model.hidden_size, self.model.vocab_size
+        self.dimensions, self.vocab_size = self.model.config.hidden_size, self.model.config.vocab_size
         self.normalize = self.pooling.normalize
         self.max_model_len = self._limit(self.config.max_model_len)
         from transformers import AutoTokenizer
@@ -105,7 +112,7 @@ class Embedder(EmbeddingInputs):
         return cls(**asdict(config))
 
     def _limit(self, asked: int | None) -> int:
-        positions = self.model.max_positions
+        positions = self.model.config.max_position_embeddings
         if asked is not None and asked > positions:
             raise ValueError(f"max_model_len {asked} exceeds {self.folder.name}'s {positions} positions")
         return asked or min(self.pooling.max_seq_length or positions, positions)

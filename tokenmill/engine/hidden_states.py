@@ -36,18 +36,6 @@ class DecoderEmbeddingModel:
         # covers every input starting a block of its own; a batch past it grows the cache.
         self._runner = self._new_runner(2 * -(-max_num_batched_tokens // BLOCK_SIZE))
 
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def max_positions(self) -> int:
-        return self.config.max_position_embeddings
-
     def __call__(self, batch: PackedBatch) -> torch.Tensor:
         needed = self._runner.blocks_for(batch.lengths)
         if needed > self._runner.null_block:

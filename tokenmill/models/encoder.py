@@ -138,18 +138,6 @@ class Encoder(nn.Module):
         self.embedding_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
 
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def max_positions(self) -> int:
-        return self.config.max_position_embeddings
-
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         # One text per sequence: every token is of type 0, as the tokenizer marks a single segment.
         x = (self.word_embeddings(batch.token_ids) + self.token_type_embeddings.weight[0]

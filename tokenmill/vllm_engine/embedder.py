@@ -9,17 +9,14 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from tokenmill.embed.embedder import embedding_model_folder
 from tokenmill.embed.inputs import NO_TOKENIZER_LIMIT, EmbedderStats, EmbeddingInputs, matryoshka_dimensions
-from tokenmill.engine import EngineConfig
 from tokenmill.environment import DEFAULT_EMBEDDING_MODEL, model_name
-from tokenmill.models.build import free_memory
 from tokenmill.models.loader import read_config
 from tokenmill.models.pooling import PoolingConfig
 from tokenmill.vllm_engine.config import VllmEmbeddingConfig
-from tokenmill.vllm_engine.engine import import_vllm, set_cpu_defaults
+from tokenmill.vllm_engine.engine import import_vllm, set_cpu_defaults, with_cpu_kv_budget
 from tokenmill.vllm_engine.lifeline import tie_engine_processes_to_this_one
 
 
@@ -31,9 +28,8 @@ class VllmEmbedder(EmbeddingInputs):
         self.folder = embedding_model_folder(config.model)
         self.name = model_name(config.model or DEFAULT_EMBEDDING_MODEL)
         args = {**config.vllm.vllm_engine_args(), "model": str(self.folder), "runner": "pooling"}
-        if on_cpu and not {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(args):
-            fraction = EngineConfig.kv_cache_memory_fraction
-            args["kv_cache_memory_bytes"] = int(fraction * free_memory(torch.device("cpu")))
+        if on_cpu:
+            args = with_cpu_kv_budget(args)
         tie_engine_processes_to_this_one()  # a kill -9 of this process takes vLLM's engine processes too
         self._llm = vllm.LLM(**args)
         model_config = self._llm.llm_engine.vllm_config.model_config

@@ -83,6 +83,15 @@ def set_cpu_defaults() -> bool:
     return True
 
 
+def with_cpu_kv_budget(engine_args: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's arguments on a CPU: without a KV budget of the user's, vLLM's cache gets the embedded
+    engine's default share of free memory (vLLM would take 92% of the machine's, its GPU default)."""
+    if {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(engine_args):
+        return engine_args
+    fraction = EngineConfig.kv_cache_memory_fraction
+    return {**engine_args, "kv_cache_memory_bytes": int(fraction * free_memory(torch.device("cpu")))}
+
+
 @dataclass
 class _Request:
     """One request while tokenmill holds it: queued here, then inside vLLM."""
@@ -126,9 +135,8 @@ class VllmEngine:
         self.config = config
         self.model = config.model
         self.engine_args = {**config.vllm_engine_args(), "model": _vllm_model(config)}
-        if on_cpu and not {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(self.engine_args):
-            fraction = EngineConfig.kv_cache_memory_fraction
-            self.engine_args["kv_cache_memory_bytes"] = int(fraction * free_memory(torch.device("cpu")))
+        if on_cpu:
+            self.engine_args = with_cpu_kv_budget(self.engine_args)
         self._vllm = vllm
         self._refusals = _refusal_types()
         tie_engine_processes_to_this_one()  # a kill -9 of this process takes vLLM's engine processes too
