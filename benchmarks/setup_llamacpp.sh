@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build llama.cpp's benchmark tools from the llama-cpp-python sdist's vendored tree, for
-# benchmarks/vs_llamacpp.py (and llama-embedding for benchmarks/embeddings.py). Not part of CI: about 15 minutes on a quiet 2-core machine.
+# benchmarks/vs_llamacpp.py (llama-embedding for benchmarks/embeddings.py, llama-lookup for benchmarks/speculative.py). Not part of CI: about 15 minutes on a quiet 2-core machine.
 #   bash benchmarks/setup_llamacpp.sh [BUILD_DIR]   (default build/llamacpp)
 set -euo pipefail
 VERSION=0.3.36
@@ -27,6 +27,6 @@ if grep -qw amx_int8 /proc/cpuinfo; then
   done
 fi
 cmake -B build -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release "${ISA[@]}" >/dev/null
-TOOLS=(llama-bench llama-batched-bench llama-perplexity llama-tokenize llama-quantize llama-embedding)
+TOOLS=(llama-bench llama-batched-bench llama-perplexity llama-tokenize llama-quantize llama-embedding llama-lookup)
 cmake --build build -j2 --target "${TOOLS[@]}"
 ls -la "${TOOLS[@]/#/build/bin/}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import string
 import types
 import typing
@@ -114,6 +115,14 @@ def in_flags(exc: BaseException, args: argparse.Namespace) -> str:
     if isinstance(exc, SettingError):
         return exc.render(getattr(args, FLAGS_KEY, None) or {})
     return str(exc)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object (`parse=json_object`); argparse names the flag where it is not one."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object: {text}")
+    return value
 
 
 def _shown(value: Any) -> str:

@@ -51,6 +51,8 @@ def other_value(name: str) -> tuple[list[str], Any]:
         value = "some/model"
     elif name == "device":
         value = "cpu"
+    elif name == "speculative_config":
+        return [flag(name), '{"prompt_lookup_max": 3}'], {"prompt_lookup_max": 3}
     else:
         value = (f.default or 0) + 7
     return [flag(name), str(value)], value

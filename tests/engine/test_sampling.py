@@ -32,7 +32,7 @@ def test_bad_params_name_the_field(kwargs: dict, field: str) -> None:
 
 def _seqs(params: SamplingParams, n: int, seed: int = 0) -> list[Sequence]:
     return [
-        Sequence(f"r{i}", [1, 2], params, generator=torch.Generator().manual_seed(seed + i))
+        Sequence(f"r{i}", [1, 2], params, seed=seed + i)
         for i in range(n)
     ]
 

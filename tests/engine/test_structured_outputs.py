@@ -281,7 +281,7 @@ def test_the_c_kernel_and_the_numpy_fallback_mask_alike() -> None:
 
 def test_free_rows_are_not_masked(smollm: LLM) -> None:
     matcher = smollm.engine.grammars.matcher(StructuredOutputsParams(choice=["yes", "no"]))
-    bitmask = allowed_tokens_bitmask([(matcher, 1)], 3, 49152)
+    bitmask = allowed_tokens_bitmask([(matcher, 1, [])], 3, 49152)
     assert (bitmask[0] == -1).all() and (bitmask[2] == -1).all()
     allowed = np.unpackbits(bitmask[1].view(np.uint8), bitorder="little")
     yes, no = (smollm.tokenizer.encode(w, add_special_tokens=False)[0] for w in ("yes", "no"))

@@ -105,7 +105,8 @@ class BlockManager:
         """Enter seq's newly computed full blocks into the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        # Computed and known: drafts a step accepted are computed before the engine appends them.
+        num_full = min(min(seq.num_computed_tokens, seq.num_tokens) // self.block_size, len(seq.block_table))
         for index in range(seq.num_registered_blocks, num_full):
             block = self.blocks[seq.block_table[index]]
             block_hash = self.block_hash(seq, index)
@@ -160,6 +161,16 @@ class BlockManager:
                 self.free_queue[block_id] = None
         seq.block_table.clear()
         seq.num_registered_blocks = 0
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release the blocks of seq's table past the first `num_tokens` tokens (rejected drafts')."""
+        keep = self.blocks_for_tokens(num_tokens)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

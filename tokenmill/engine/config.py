@@ -8,10 +8,11 @@ command-line flags of every command that builds an engine are generated from the
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from tokenmill.engine.speculative.config import METHODS, speculative_config, speculative_settings
 from tokenmill.models.weight_formats import WEIGHT_FORMATS
-from tokenmill.settings import SettingError, setting
+from tokenmill.settings import SettingError, json_object, setting
 
 if TYPE_CHECKING:
     import torch
@@ -81,7 +82,18 @@ class EngineConfig:
         "oneDNN) at the cost of a second copy of them; off: oneDNN at every size; auto: the kernel where "
         "it builds and the copy fits in a quarter of free memory", SMALL_BATCH_LINEAR)
 
+    speculative_method: str | None = setting(
+        None, "speculative decoding: ngram (prompt lookup: a draft copied from where the sequence's last tokens "
+        "occurred before), suffix (a job-wide suffix tree over earlier outputs, and prompt lookup); exact under "
+        "greedy and a seed, and used only where measured to pay (docs/speculative.md) (default: off)", METHODS)
+    num_speculative_tokens: int | None = setting(
+        None, "draft tokens a sequence may carry in one step, at most (default: ngram 8, suffix 24)")
+    speculative_config: dict[str, Any] | None = setting(
+        None, "vLLM's speculative_config JSON (method, num_speculative_tokens, prompt_lookup_min/max, "
+        "suffix_decoding_*): the whole of it reaches vLLM under --engine vllm", metavar="JSON", parse=json_object)
+
     def __post_init__(self) -> None:
+        speculative_settings(self.speculative)  # refused here, with the field named
         self._check_positive("max_num_seqs", "max_num_batched_tokens", "block_size")
         for name in ("max_model_len", "kv_cache_bytes", "num_kv_blocks", "num_threads"):
             value = getattr(self, name)
@@ -99,7 +111,7 @@ class EngineConfig:
                                got=self.kv_cache_memory_fraction)
         for f in fields(self):
             choices = f.metadata["choices"]
-            if choices is not None and getattr(self, f.name) not in choices:
+            if choices is not None and getattr(self, f.name) not in (None, *choices):
                 raise SettingError(f"{{{f.name}}} must be one of {{choices}}, got {{got!r}}",
                                    choices=choices, got=getattr(self, f.name))
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
@@ -113,6 +125,11 @@ class EngineConfig:
         if self.kv_cache_bytes is not None or self.num_kv_blocks is not None:
             return self
         return replace(self, kv_cache_memory_fraction=self.kv_cache_memory_fraction * min(1.0, share))
+
+    @property
+    def speculative(self) -> dict[str, Any] | None:
+        """The speculative_config the three speculative settings make together (None: off)."""
+        return speculative_config(self.speculative_method, self.num_speculative_tokens, self.speculative_config)
 
     def _check_positive(self, *names: str) -> None:
         for name in names:

@@ -121,7 +121,21 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_steps: int = 0
     prefill_tokens: int = 0  # tokens computed that were already known (prompt or recompute)
-    decode_tokens: int = 0  # tokens computed that came from the previous sample
+    decode_tokens: int = 0  # tokens computed that came from the previous sample (and accepted drafts)
+    # Speculative decoding (vLLM's counters): sequences that carried drafts in a step, their draft
+    # tokens, and how many of those the target accepted.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens a step with drafts produced per sequence: vLLM's 1 + accepted / drafts."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
 
 @dataclass

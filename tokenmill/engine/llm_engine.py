@@ -28,8 +28,10 @@ from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.processor import InputProcessor
 from tokenmill.engine.prompt import Prompt
 from tokenmill.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.sampler import SamplerOutput
+from tokenmill.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.speculative import Drafter, accepted_prefix, speculative_settings
 from tokenmill.engine.structured_outputs import GrammarCompiler
 from tokenmill.models import kernels, quant
 from tokenmill.models.build import build_model, free_memory, weight_bytes
@@ -75,6 +77,8 @@ class LLMEngine:
             prefill_kernel=self._kernel_wanted("prefill_attention", fallback="sdpa", reads_kv=True),
             kv_dtype=self.kv_dtype,
         )
+        settings = speculative_settings(config.speculative)
+        self.drafter = None if settings is None else Drafter(settings, self.max_model_len)
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
@@ -220,7 +224,7 @@ class LLMEngine:
             seed = int(torch.randint(2**62, (1,), generator=self._seeds))
         seq = Sequence(
             request.request_id, request.prompt_token_ids, request.params, prompt=request.prompt,
-            priority=request.priority, generator=torch.Generator().manual_seed(seed),
+            priority=request.priority, seed=seed,
             timings=RequestTimings(request.arrival), matcher=matcher,
         )
         self._requests[seq.request_id] = (seq, IncrementalDetokenizer(self.tokenizer))
@@ -228,10 +232,11 @@ class LLMEngine:
         return seq.request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        entry = self._requests.pop(request_id, None)
+        entry = self._requests.get(request_id)
         if entry is None:
             return None
         self.scheduler.finish(entry[0], FinishReason.ABORT)
+        self._forget(entry[0])
         return self._output(entry[0])
 
     def has_started(self, request_id: str) -> bool:
@@ -286,20 +291,57 @@ class LLMEngine:
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; returns the requests that got a token."""
+        """Propose drafts, schedule, run the model once, sample and verify; returns the requests that
+        got one token or more."""
+        started = time.perf_counter()
+        decoding = [seq for seq in self.scheduler.running if not seq.in_prefill]
+        speculated = self.drafter is not None and bool(decoding) and self.drafter.propose(decoding)
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        decode_only = not any(item.seq.in_prefill for item in out.scheduled)
         sampled = self.runner.execute(out.scheduled)
-        sampling = [item.seq for item in out.scheduled if item.samples]
-        self.scheduler.on_step_computed(out)
+        produced = self._verify(out, sampled)
+        self.scheduler.on_step_computed(out, [len(tokens) - 1 for _, tokens, _ in produced])
         outputs = []
-        for seq, token, logprob in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
-            self._append_token(seq, token, logprob)
+        for item, tokens, logprobs in produced:
+            seq = item.seq
+            if self.drafter is not None:
+                self.drafter.verified(seq, item.num_drafts, len(tokens) - 1)
+            if not tokens:
+                continue
+            for token, logprob in zip(tokens, logprobs, strict=True):
+                self._append_token(seq, token, logprob)
+                if seq.is_finished:
+                    break
             outputs.append(self._output(seq))
             if seq.is_finished:
-                del self._requests[seq.request_id]
+                self._forget(seq)
+        if self.drafter is not None and decode_only:
+            self.drafter.gate.observe(len(decoding), speculated, sum(len(tokens) for _, tokens, _ in produced),
+                                      time.perf_counter() - started)
         return outputs
+
+    @staticmethod
+    def _verify(out: SchedulerOutput, sampled: SamplerOutput) -> list[tuple[ScheduledSequence, list[int], list]]:
+        """Each scheduled item with the tokens it produced (none: a prefill chunk that samples
+        nothing) and their logprobs: one sampled token, or a draft's verified prefix and the next."""
+        produced = []
+        row = 0
+        for item in out.scheduled:
+            if not item.samples:
+                produced.append((item, [], []))
+                continue
+            rows = slice(row, row + 1 + item.num_drafts)
+            row = rows.stop
+            tokens = accepted_prefix(item.seq.draft_token_ids, sampled.token_ids[rows])
+            produced.append((item, tokens, sampled.logprobs[rows][: len(tokens)]))
+        return produced
+
+    def _forget(self, seq: Sequence) -> None:
+        del self._requests[seq.request_id]
+        if self.drafter is not None:
+            self.drafter.finished(seq)
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         seq.token_ids.append(token)

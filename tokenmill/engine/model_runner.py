@@ -8,6 +8,7 @@ import torch
 
 from tokenmill.engine.sampler import Sampler, SamplerOutput
 from tokenmill.engine.scheduler import ScheduledSequence
+from tokenmill.engine.sequence import Sequence
 from tokenmill.models.attention_metadata import AttentionGroup, AttentionMetadata
 from tokenmill.models.decoder import CausalLM
 from tokenmill.models.huge_pages import huge_page_empty
@@ -86,24 +87,34 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSequence]) -> SamplerOutput:
         """Run one forward over the batch; returns a token (and its logprobs, where asked) for each
-        item that samples, in order."""
+        item that samples, in order, and one more after each of its draft tokens."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
         decodes: list[_Span] = []
         prefills: list[_Span] = []
         logits_rows: list[int] = []
+        sampling: list[Sequence] = []
+        offsets: list[int] = []
         for item in batch:
             seq, n = item.seq, item.num_new_tokens
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            span = _Span(len(input_ids), n, end, seq.block_table)
-            (decodes if n == 1 else prefills).append(span)
+            if n == 1 or item.num_drafts:
+                # A draft's positions attend as decodes, one query each: the numbers a plain decode
+                # at each position would get, so that a verified token is the token it would sample.
+                decodes.extend(_Span(len(input_ids) + i, 1, start + i + 1, seq.block_table) for i in range(n))
+            else:
+                prefills.append(_Span(len(input_ids), n, end, seq.block_table))
             input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.draft_token_ids)  # the scheduler kept those that fit this step
             positions.extend(range(start, end))
             bt, bs = seq.block_table, self.block_size
             slot_mapping.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
             if item.samples:
-                logits_rows.append(len(input_ids) - 1)
+                rows = 1 + item.num_drafts
+                logits_rows.extend(range(len(input_ids) - rows, len(input_ids)))
+                sampling.extend([seq] * rows)
+                offsets.extend(range(rows))
         groups = [self._attention_group(decodes, paged=self.paged_kernel)] if decodes else []
         if self.prefill_kernel and prefills:  # the kernel attends each span on its own: no padding
             groups.append(self._attention_group(prefills, paged=True))
@@ -115,7 +126,7 @@ class ModelRunner:
             self._tensor(input_ids), self._tensor(positions), self.kv_caches, meta,
             self._tensor(logits_rows), self._logits_buffer(len(logits_rows)),
         )
-        return self.sampler(logits.cpu(), [item.seq for item in batch if item.samples])
+        return self.sampler(logits.cpu(), sampling, offsets)
 
     def _logits_buffer(self, rows: int) -> torch.Tensor:
         """fp32 [rows, vocab] for a step's logits, kept from step to step: the sampler is done with

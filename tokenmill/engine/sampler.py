@@ -23,8 +23,10 @@ class Sampler:
     def __init__(self, eos_token_ids: list[int]) -> None:
         self.eos_token_ids = eos_token_ids
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """logits: [S, V] fp32, one row per sequence, in order.
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], offsets: list[int] | None = None) -> SamplerOutput:
+        """logits: [S, V] fp32, one row per sequence, in order; `offsets`: where a sequence has draft
+        tokens, its rows come together, the i-th (offset i) sampling the token after its first i
+        drafts (with the grammar advanced past them); default: every row samples a seq's next token.
 
         Log-probabilities (for rows whose `params.logprobs` is set) are taken from the logits as
         sampling sees them once min_tokens has suppressed the stop tokens and a grammar has masked
@@ -32,15 +34,17 @@ class Sampler:
         the tokens the request may produce. So for a structured output they are among the allowed
         tokens only (a `choice` request's are over its labels' tokens), and a greedy request and a
         sampled one report the same numbers for the same logits."""
-        self._suppress_stops_before_min_tokens(logits, seqs)
-        self._apply_grammars(logits, seqs)
+        offsets = offsets or [0] * len(seqs)
+        self._suppress_stops_before_min_tokens(logits, seqs, offsets)
+        self._apply_grammars(logits, seqs, offsets)
         tokens = _argmax_rows(logits)
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows)
             probs = self._filtered_probs(logits[rows], [seqs[i] for i in sampled_rows])
             for row, p in zip(sampled_rows, probs, strict=True):
-                tokens[row] = _draw(p, seqs[row].generator)
+                seq = seqs[row]
+                tokens[row] = _draw(p, seq.seed, seq.num_tokens + offsets[row])
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, self._logprobs(logits, seqs, token_ids))
 
@@ -63,15 +67,23 @@ class Sampler:
         return found
 
     @staticmethod
-    def _apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        matchers = [(seq.matcher, row) for row, seq in enumerate(seqs) if seq.matcher is not None]
+    def _apply_grammars(logits: torch.Tensor, seqs: list[Sequence], offsets: list[int]) -> None:
+        """Each row's mask: a seq's first row its grammar's now, the rows after it the grammar's after
+        each of its drafts in turn (llguidance advances a copy of the state and rolls it back)."""
+        matchers = []
+        for row, seq in enumerate(seqs):
+            if seq.matcher is not None and offsets[row] == 0:
+                drafts = 0
+                while row + drafts + 1 < len(seqs) and offsets[row + drafts + 1] == drafts + 1:
+                    drafts += 1
+                matchers.append((seq.matcher, row, seq.draft_token_ids[:drafts]))
         if matchers:
             apply_bitmask(logits, allowed_tokens_bitmask(matchers, len(seqs), logits.shape[1]))
 
-    def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence], offsets: list[int]) -> None:
         for row, seq in enumerate(seqs):
             # A grammar alone decides where its output may end.
-            if seq.num_output_tokens < seq.params.min_tokens and seq.matcher is None:
+            if seq.num_output_tokens + offsets[row] < seq.params.min_tokens and seq.matcher is None:
                 banned = list(seq.params.stop_token_ids)
                 if not seq.params.ignore_eos:
                     banned += self.eos_token_ids
@@ -126,8 +138,13 @@ def _nucleus(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, order, kept / kept.sum())
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    # Exponential race (Gumbel-max in disguise): one draw per request from its own generator,
-    # so a seeded request samples the same tokens whatever else shares its batch.
+def _draw(probs: torch.Tensor, seed: int, position: int) -> int:
+    """Exponential race (Gumbel-max in disguise) with noise drawn from (seed, position): a seeded
+    request samples the same tokens whatever else shares its batch, after a preemption, and with
+    or without draft tokens (a draft is kept where it equals the token drawn at its position)."""
+    generator = torch.Generator().manual_seed(hash((seed, position)) & _SEED_MASK)
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return int((probs / noise).argmax())
+
+
+_SEED_MASK = 2**63 - 1

@@ -1,8 +1,8 @@
 """Continuous batching: every step closes each request's gap between tokens known and tokens
 computed, under a per-step token budget and the KV-cache blocks that are free.
 
-Running requests go first: decodes, then unfinished prefills (chunked under the budget) in
-policy order. When one cannot get a block, the policy's worst running request (lowest priority,
+Running requests go first: decodes (with their draft tokens where blocks are free and the budget
+reaches), then unfinished prefills (chunked under the budget) in policy order. When one cannot get a block, the policy's worst running request (lowest priority,
 then newest) is preempted: its blocks are freed and it waits to be recomputed (its finished
 blocks usually come straight back from the prefix cache). Waiting requests are admitted in
 policy order, only in steps that did not preempt, and only while a free-block watermark stays
@@ -25,12 +25,17 @@ from tokenmill.engine.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledSequence:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # its draft tokens included
 
     @property
     def samples(self) -> bool:
         """Does this step compute the seq's last known token (so a next token is due)?"""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens >= self.seq.num_tokens
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens scored after the last known one: each gets a sampled token too."""
+        return max(0, self.seq.num_computed_tokens + self.num_new_tokens - self.seq.num_tokens)
 
 
 @dataclass
@@ -114,8 +119,12 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(seq, n, out):
+            gap = seq.num_tokens - seq.num_computed_tokens
+            n = min(gap + len(seq.draft_token_ids), budget)
+            if n > gap and not self.block_manager.allocate(seq, n):
+                n = min(gap, budget)  # drafts take only free blocks: they never preempt anyone
+            del seq.draft_token_ids[max(0, n - gap):]
+            if not seq.draft_token_ids and not self._allocate_or_preempt(seq, n, out):
                 continue
             out.scheduled.append(ScheduledSequence(seq, n))
             budget -= n
@@ -191,6 +200,7 @@ class Scheduler:
     # ---- state changes ----------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.draft_token_ids.clear()
         self.running.remove(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -198,16 +208,28 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.append(seq)
 
-    def on_step_computed(self, out: SchedulerOutput) -> None:
-        """Advance computed counts after the model ran, and publish newly full blocks."""
-        self.stats.num_steps += 1
-        for item in out.scheduled:
-            seq = item.seq
+    def on_step_computed(self, out: SchedulerOutput, accepted: list[int] | None = None) -> None:
+        """Advance computed counts after the model ran, and publish newly full blocks. `accepted`:
+        how many of each item's drafts were kept; the KV of the others is rolled back (their slots
+        are written over later, never counted as computed, never cached) and blocks that only they
+        used are freed."""
+        stats = self.stats
+        stats.num_steps += 1
+        for i, item in enumerate(out.scheduled):
+            seq, drafts = item.seq, item.num_drafts
+            kept = item.num_new_tokens - drafts + (accepted[i] if accepted else 0)
             if seq.in_prefill:
-                self.stats.prefill_tokens += item.num_new_tokens
+                stats.prefill_tokens += kept
             else:
-                self.stats.decode_tokens += item.num_new_tokens
-            seq.num_computed_tokens += item.num_new_tokens
+                stats.decode_tokens += kept
+            if drafts:
+                stats.num_drafts += 1
+                stats.num_draft_tokens += drafts
+                stats.num_accepted_tokens += kept - (item.num_new_tokens - drafts)
+            seq.num_computed_tokens += kept
+            seq.draft_token_ids.clear()
+            if kept < item.num_new_tokens:
+                self.block_manager.trim(seq, seq.num_computed_tokens + 1)
             self.block_manager.register_full_blocks(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -219,3 +241,4 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        seq.draft_token_ids.clear()

@@ -2,7 +2,8 @@
 
 The scheduler's whole job is closing the gap `num_tokens - num_computed_tokens` under a token
 budget; prefill, chunked prefill, prefix-cache hits and recompute after preemption are all
-just different starting points of that gap.
+just different starting points of that gap, and draft tokens (speculative decoding) widen it by
+tokens known only tentatively.
 """
 
 from __future__ import annotations
@@ -10,13 +11,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tokenmill.engine.interface import FinishReason, RequestTimings, TokenLogprob
 from tokenmill.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:  # an annotation only: the scheduler and the block manager run without torch
-    import torch
 
 
 class SequenceStatus(enum.Enum):
@@ -44,8 +42,12 @@ class Sequence:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     output_text: str = ""
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
+    seed: int = 0  # a sampled token's noise is drawn from (seed, its position): see sampler.py
     matcher: Any = None  # llguidance.LLMatcher of a structured-output request: the tokens it allows next
+    # Tokens proposed after the known ones, for this step to verify (engine/speculative/), and the
+    # proposer's own state of this request.
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_state: Any = None
     error: str | None = None  # why it finished with FinishReason.ERROR
     # One entry per output token, where params.logprobs asks for them (None otherwise). Kept across
     # preemption like the tokens themselves: a recompute samples only tokens not yet generated.

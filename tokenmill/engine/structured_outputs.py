@@ -311,9 +311,11 @@ class GrammarCompiler:
 _executor: llguidance.LLExecutor | None = None
 
 
-def allowed_tokens_bitmask(matchers: list[tuple[llguidance.LLMatcher, int]], rows: int, vocab_size: int) -> np.ndarray:
-    """[rows, ceil(vocab/32)] int32 bitmask, bit t of a row set where token t is allowed: rows named
-    in `matchers` (matcher, row) get their grammar's mask, the others allow everything."""
+def allowed_tokens_bitmask(matchers: list[tuple[llguidance.LLMatcher, int, list[int]]], rows: int,
+                           vocab_size: int) -> np.ndarray:
+    """[rows, ceil(vocab/32)] int32 bitmask, bit t of a row set where token t is allowed: for each
+    (matcher, row, drafts), its grammar's mask at `row` and, at the rows after it, its masks after
+    each draft token in turn; other rows allow everything."""
     global _executor
     if _executor is None:
         import llguidance
@@ -322,7 +324,12 @@ def allowed_tokens_bitmask(matchers: list[tuple[llguidance.LLMatcher, int]], row
     import numpy as np
 
     bitmask = np.full((rows, (vocab_size + 31) // 32), -1, dtype=np.int32)
-    _executor.unsafe_compute_mask_ptr(matchers, bitmask.ctypes.data, bitmask.shape[1] * 4, rows)
+    drafted = [entry for entry in matchers if entry[2]]
+    plain = [(matcher, row) for matcher, row, drafts in matchers if not drafts]
+    if drafted:
+        _executor.unsafe_compute_mask_ptr_with_draft_token(drafted, bitmask.ctypes.data, bitmask.shape[1] * 4, rows)
+    if plain:
+        _executor.unsafe_compute_mask_ptr(plain, bitmask.ctypes.data, bitmask.shape[1] * 4, rows)
     return bitmask
 
 

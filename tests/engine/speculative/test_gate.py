@@ -1,0 +1,36 @@
+"""The gate speculates where drafts were measured to raise output tokens per second, per batch band."""
+
+from __future__ import annotations
+
+from tokenmill.engine.speculative.gate import EXPLORE_EVERY, WARMUP_STEPS, SpeculationGate
+
+
+def _run(gate: SpeculationGate, batch: int, steps: int, with_drafts: float, without: float) -> list[bool]:
+    """`steps` decisions at `batch` sequences, each step taking one second and producing that many tokens."""
+    decisions = []
+    for _ in range(steps):
+        speculate = gate.speculate(batch)
+        gate.observe(batch, speculate, int(with_drafts if speculate else without), 1.0)
+        decisions.append(speculate)
+    return decisions
+
+
+def test_it_keeps_drafts_where_they_pay_and_drops_them_where_they_lose() -> None:
+    gate = SpeculationGate()
+    small = _run(gate, 1, 400, with_drafts=30, without=10)
+    large = _run(gate, 48, 400, with_drafts=90, without=100)
+    assert sum(small[:2 * WARMUP_STEPS]) == WARMUP_STEPS  # each arm tried first
+    assert sum(small[2 * WARMUP_STEPS:]) == len(small) - 2 * WARMUP_STEPS - (len(small) - 2 * WARMUP_STEPS) // EXPLORE_EVERY
+    # Where drafts lose, they run only while warming up and when exploring: a 10% slower arm costs
+    # the whole run a small fraction of that.
+    speculated = sum(large)
+    assert speculated <= WARMUP_STEPS + len(large) // EXPLORE_EVERY + 1
+    assert (speculated * 90 + (len(large) - speculated) * 100) / (len(large) * 100) > 0.99
+    assert gate.rates() == {1: (30.0, 10.0), 32: (90.0, 100.0)}
+
+
+def test_it_follows_a_change_in_the_workload() -> None:
+    gate = SpeculationGate()
+    _run(gate, 8, 200, with_drafts=30, without=10)
+    later = _run(gate, 8, 400, with_drafts=5, without=10)  # acceptance collapsed
+    assert sum(later[-128:]) <= 128 // EXPLORE_EVERY  # drafts only in the steps that explore
