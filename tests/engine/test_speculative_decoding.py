@@ -35,7 +35,8 @@ def _chats(n: int) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": f"Copy this text exactly, then say done.\n{DOC} Ref {i}."}] for i in range(n)]
 
 
-def _run(weights: LoadedWeights, method: str | None, params: Any, n: int = 4, **config: Any) -> tuple[LLM, list[RequestOutput]]:
+def _run(weights: LoadedWeights, method: str | None, params: Any, n: int = 4,
+         **config: Any) -> tuple[LLM, list[RequestOutput]]:
     """The chats' outputs; greedy ones with their top-2 logprobs, to tell a near-tie (below) from a bug."""
     if isinstance(params, SamplingParams) and params.greedy and params.logprobs is None:
         params = dataclasses.replace(params, logprobs=2)
@@ -47,7 +48,7 @@ def _same(plain: list[RequestOutput], drafted: list[RequestOutput]) -> None:
     """Token for token, or parted at an fp32 near-tie: a step of 1 + k tokens runs the linear layers
     at another row count than a plain decode, so logits differ by ~1e-5 (tests/reference.py)."""
     for a, b in zip(plain, drafted, strict=True):
-        step = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        step = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y), None)
         if step is None:
             assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason), a.request_id
             continue

@@ -27,8 +27,8 @@ from tokenmill.engine.interface import (
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.processor import InputProcessor
 from tokenmill.engine.prompt import Prompt
-from tokenmill.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.engine.sampler import SamplerOutput
+from tokenmill.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from tokenmill.engine.sequence import Sequence
 from tokenmill.engine.speculative import Drafter, accepted_prefix, speculative_settings

@@ -2,10 +2,10 @@
 computed, under a per-step token budget and the KV-cache blocks that are free.
 
 Running requests go first: decodes (with their draft tokens where blocks are free and the budget
-reaches), then unfinished prefills (chunked under the budget) in policy order. When one cannot get a block, the policy's worst running request (lowest priority,
-then newest) is preempted: its blocks are freed and it waits to be recomputed (its finished
-blocks usually come straight back from the prefix cache). Waiting requests are admitted in
-policy order, only in steps that did not preempt, and only while a free-block watermark stays
+reaches), then unfinished prefills (chunked under the budget) in policy order. When one cannot get
+a block, the policy's worst running request (lowest priority, then newest) is preempted: its
+blocks are freed and it waits to be recomputed (its finished blocks usually come straight back
+from the prefix cache). Waiting requests are admitted in policy order, only in steps that did not preempt, and only while a free-block watermark stays
 untouched, so admissions do not immediately cause preemptions.
 """
 

@@ -20,7 +20,8 @@ def test_it_keeps_drafts_where_they_pay_and_drops_them_where_they_lose() -> None
     small = _run(gate, 1, 400, with_drafts=30, without=10)
     large = _run(gate, 48, 400, with_drafts=90, without=100)
     assert sum(small[:2 * WARMUP_STEPS]) == WARMUP_STEPS  # each arm tried first
-    assert sum(small[2 * WARMUP_STEPS:]) == len(small) - 2 * WARMUP_STEPS - (len(small) - 2 * WARMUP_STEPS) // EXPLORE_EVERY
+    after = len(small) - 2 * WARMUP_STEPS
+    assert sum(small[2 * WARMUP_STEPS:]) == after - after // EXPLORE_EVERY
     # Where drafts lose, they run only while warming up and when exploring: a 10% slower arm costs
     # the whole run a small fraction of that.
     speculated = sum(large)
