@@ -5,8 +5,9 @@ Running requests go first: decodes (with their draft tokens where blocks are fre
 reaches), then unfinished prefills (chunked under the budget) in policy order. When one cannot get
 a block, the policy's worst running request (lowest priority, then newest) is preempted: its
 blocks are freed and it waits to be recomputed (its finished blocks usually come straight back
-from the prefix cache). Waiting requests are admitted in policy order, only in steps that did not preempt, and only while a free-block watermark stays
-untouched, so admissions do not immediately cause preemptions.
+from the prefix cache). Waiting requests are admitted in policy order, only in steps that did
+not preempt, and only while a free-block watermark stays untouched, so admissions do not
+immediately cause preemptions.
 """
 
 from __future__ import annotations
