@@ -299,9 +299,9 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        decode_only = not any(item.seq.in_prefill for item in out.scheduled)
         sampled = self.runner.execute(out.scheduled)
         produced = self._verify(out, sampled)
+        decoded = sum(len(tokens) for item, tokens, _ in produced if not item.seq.in_prefill)
         self.scheduler.on_step_computed(out, [len(tokens) - 1 for _, tokens, _ in produced])
         outputs = []
         for item, tokens, logprobs in produced:
@@ -317,9 +317,8 @@ class LLMEngine:
             outputs.append(self._output(seq))
             if seq.is_finished:
                 self._forget(seq)
-        if self.drafter is not None and decode_only:
-            self.drafter.gate.observe(len(decoding), speculated, sum(len(tokens) for _, tokens, _ in produced),
-                                      time.perf_counter() - started)
+        if self.drafter is not None and decoding:
+            self.drafter.gate.observe(len(decoding), speculated, decoded, time.perf_counter() - started)
         return outputs
 
     @staticmethod

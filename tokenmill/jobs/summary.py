@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tokenmill.cost import millions_per_usd, usd_for, usd_per_million
+from tokenmill.engine.interface import SchedulerStats
 from tokenmill.jobs.backends.base import Backend, BackendStats, ResultSink
 from tokenmill.jobs.config import JobConfig
 from tokenmill.jobs.journal.paths import OutputPaths
@@ -71,6 +72,9 @@ class EngineCounts:
     retries: int | None
     replicas: int | None
     rows_by_endpoint: dict[str, int] | None
+    num_drafts: int | None = None  # speculative decoding: drafts verified, their tokens, tokens accepted
+    num_draft_tokens: int | None = None
+    num_accepted_tokens: int | None = None
 
 
 @dataclass
@@ -153,7 +157,8 @@ def build_summary(
         prefill_tokens=stats.prefill_tokens, decode_tokens=stats.decode_tokens,
         prefill_s=_round(stats.prefill_s), decode_s=_round(stats.decode_s),
         preemptions=stats.num_preemptions, retries=stats.retries, replicas=stats.replicas,
-        rows_by_endpoint=stats.rows_by_endpoint,
+        rows_by_endpoint=stats.rows_by_endpoint, num_drafts=stats.num_drafts,
+        num_draft_tokens=stats.num_draft_tokens, num_accepted_tokens=stats.num_accepted_tokens,
     )
     output_rate = _rate(sink.completion_tokens, wall)
     throughput = Throughput(
@@ -229,6 +234,8 @@ def print_summary(outcome: JobOutcome, console: Console) -> None:
     elif eng.prefill_tokens is not None:
         table.add_row("prefill", _speed(eng.prefill_tokens, eng.prefill_s, thr.prefill_tok_s))
         table.add_row("decode", _speed(eng.decode_tokens, eng.decode_s, thr.decode_tok_s))
+    if eng.num_draft_tokens:
+        table.add_row("speculative", _speculation(eng))
     if eng.retries is not None:
         table.add_row("retries", f"{eng.retries}")
     if eng.rows_by_endpoint and len(eng.rows_by_endpoint) > 1:
@@ -251,6 +258,13 @@ def print_summary(outcome: JobOutcome, console: Console) -> None:
         )
     table.add_row("files", f"{outcome.results_path} · {outcome.errors_path}")
     console.print(table)
+
+
+def _speculation(eng: EngineCounts) -> str:
+    accepted, drafted, drafts = eng.num_accepted_tokens or 0, eng.num_draft_tokens or 0, eng.num_drafts or 1
+    stats = SchedulerStats(num_drafts=drafts, num_draft_tokens=drafted, num_accepted_tokens=accepted)
+    return (f"{accepted:,} of {drafted:,} draft tokens accepted ({stats.draft_acceptance_rate:.0%}) · "
+            f"mean acceptance length {stats.mean_acceptance_length:.2f}")
 
 
 def _speed(tokens: int | None, seconds: float | None, rate: float | None) -> str:

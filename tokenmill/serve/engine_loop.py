@@ -146,7 +146,10 @@ class EngineLoop:
         if tracked.last_token_at is None and out.timings.first_token is not None:
             m.time_to_first_token.observe(out.timings.first_token - out.timings.arrival)
         elif tracked.last_token_at is not None:
-            m.inter_token_latency.observe(now - tracked.last_token_at)
+            # A step with verified drafts brings several tokens at once: each gets its share of the gap.
+            new = max(1, out.num_output_tokens - tracked.num_tokens)
+            for _ in range(new):
+                m.inter_token_latency.observe((now - tracked.last_token_at) / new)
         m.generation_tokens.inc(out.num_output_tokens - tracked.num_tokens)
         tracked.last_token_at, tracked.num_tokens = now, out.num_output_tokens
 

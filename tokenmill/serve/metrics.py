@@ -39,6 +39,9 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "tokenmill_inter_token_latency_seconds": ("vllm:inter_token_latency_seconds",
                                               "vllm:time_per_output_token_seconds"),
     "tokenmill_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "tokenmill_spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "tokenmill_spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "tokenmill_spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
 }
 VLLM_LABELS = {"finish_reason": "finished_reason"}  # vLLM's spelling of a label we share
 
@@ -127,6 +130,12 @@ class _SchedulerCollector:
                                   value=stats.prefill_tokens)
         yield CounterMetricFamily("tokenmill_decode_tokens", "tokens computed by decode steps",
                                   value=stats.decode_tokens)
+        yield CounterMetricFamily("tokenmill_spec_decode_num_drafts", "drafts verified (a sequence's drafts in a step)",
+                                  value=stats.num_drafts)
+        yield CounterMetricFamily("tokenmill_spec_decode_num_draft_tokens", "draft tokens verified",
+                                  value=stats.num_draft_tokens)
+        yield CounterMetricFamily("tokenmill_spec_decode_num_accepted_tokens", "draft tokens the model accepted",
+                                  value=stats.num_accepted_tokens)
 
 
 class _EmbeddingCollector:

@@ -34,4 +34,13 @@ def test_it_follows_a_change_in_the_workload() -> None:
     gate = SpeculationGate()
     _run(gate, 8, 200, with_drafts=30, without=10)
     later = _run(gate, 8, 400, with_drafts=5, without=10)  # acceptance collapsed
-    assert sum(later[-128:]) <= 128 // EXPLORE_EVERY  # drafts only in the steps that explore
+    assert sum(later[-2 * EXPLORE_EVERY:]) <= 2  # drafts only in the steps that explore
+
+
+def test_a_band_not_yet_measured_follows_what_smaller_and_larger_ones_showed() -> None:
+    gate = SpeculationGate()
+    _run(gate, 4, 100, with_drafts=8, without=10)  # drafts lose at batch 4 ...
+    assert sum(_run(gate, 64, 96, with_drafts=8, without=10)) == 96 // EXPLORE_EVERY  # ... so at 64 too, from the start
+    other = SpeculationGate()
+    _run(other, 32, 100, with_drafts=12, without=10)  # drafts pay at batch 32 ...
+    assert sum(_run(other, 2, 96, with_drafts=12, without=10)) == 96 - 96 // EXPLORE_EVERY  # ... and at 2

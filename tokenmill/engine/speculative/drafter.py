@@ -37,6 +37,7 @@ class DraftState:
     index: NgramIndex = field(default_factory=NgramIndex)
     tree_entry: TreeEntry | None = None  # its prompt's end and its output in the job-wide tree
     outputs_in_tree: int = 0
+    tree_match: tuple[int, int] = (0, 0)  # (its tokens, the tree's longest match of their end) at the last draft
     draft_len: int = FIRST_DRAFT_LEN
 
 
@@ -94,8 +95,10 @@ class Drafter:
         draft = found.draft
         if self.tree is not None:
             context = seq.token_ids[-(self.tree.max_depth - 1):]
+            tokens, matched = state.tree_match
             proposal = self.tree.propose(context, room, s.suffix_decoding_max_spec_factor,
-                                         s.suffix_decoding_min_token_prob)
+                                         s.suffix_decoding_min_token_prob, longest=matched + seq.num_tokens - tokens)
+            state.tree_match = (seq.num_tokens, proposal.match_len)
             if proposal.draft and proposal.match_len >= found.match_len:
                 draft = proposal.draft
         if draft and seq.matcher is not None:  # a draft token the grammar refuses ends the draft

@@ -39,8 +39,6 @@ class Proposal:
     score: float  # the draft's expected accepted tokens: the sum of its estimated probabilities
 
 
-NO_PROPOSAL = Proposal([], 0, 0.0)
-
 
 class SuffixTree:
     def __init__(self, max_depth: int, max_cached_requests: int) -> None:
@@ -84,13 +82,16 @@ class SuffixTree:
                     break
                 node = child
 
-    def propose(self, context: list[int], max_draft: int, max_spec_factor: float, min_prob: float) -> Proposal:
-        """The likeliest continuation of the longest suffix of `context` the tree holds: each next
-        token the most frequent child, while the path's estimated probability stays >= `min_prob`,
-        up to `max_draft` tokens and `max_spec_factor` times the match's length."""
-        node, match_len = self._longest_match(context, self.max_depth - 1)
+    def propose(self, context: list[int], max_draft: int, max_spec_factor: float, min_prob: float,
+                longest: int | None = None) -> Proposal:
+        """The likeliest continuation of the longest suffix of `context` the tree holds (`longest`: a
+        bound on its length known from the last match): each next token the most frequent child,
+        while the path's estimated probability stays >= `min_prob`, up to `max_draft` tokens and
+        `max_spec_factor` times the match's length."""
+        bound = self.max_depth - 1 if longest is None else min(longest, self.max_depth - 1)
+        node, match_len = self._longest_match(context, bound)
         if node is None or max_draft <= 0:
-            return NO_PROPOSAL
+            return Proposal([], match_len, 0.0)
         limit = min(max_draft, self.max_depth - match_len, max(1, int(max_spec_factor * match_len)))
         draft: list[int] = []
         prob, score = 1.0, 0.0
@@ -106,16 +107,16 @@ class SuffixTree:
 
     def _longest_match(self, context: list[int], longest: int) -> tuple[_Node | None, int]:
         """The node of the longest suffix of `context` (at most `longest` tokens) that is a path from
-        the root. Every suffix of a path is a path too, so lengths are tried shortest first."""
-        found: _Node | None = None
-        found_len = 0
-        for length in range(1, min(longest, len(context)) + 1):
+        the root. Every suffix of a path is a path too, so the first length found, trying from the
+        longest down, is the answer. A sequence's match grows by the tokens it gained since its last
+        one (more only where new outputs entered the tree, and then a step at a time): with that
+        bound the first try is the usual answer."""
+        for length in range(min(longest, len(context)), 0, -1):
             node: _Node | None = self.root
             for token in context[len(context) - length :]:
-                node = node.children.get(token)
+                node = node.children.get(token)  # type: ignore[union-attr]
                 if node is None:
                     break
-            if node is None:
-                break
-            found, found_len = node, length
-        return found, found_len
+            if node is not None:
+                return node, length
+        return None, 0

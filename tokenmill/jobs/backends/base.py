@@ -32,6 +32,11 @@ class BackendStats:
     prefill_s: float | None = None  # time of engine steps that computed any prefill token
     decode_s: float | None = None  # time of engine steps that computed any decode token
     num_preemptions: int | None = None
+    # Speculative decoding (the engine's counters, engine/interface.py SchedulerStats): drafts
+    # verified, their tokens, and the tokens the model accepted.
+    num_drafts: int | None = None
+    num_draft_tokens: int | None = None
+    num_accepted_tokens: int | None = None
     retries: int | None = None  # endpoint: attempts beyond the first
     replicas: int | None = None  # --ray: engines (or endpoint clients) the work was spread over
     rows_by_endpoint: dict[str, int] | None = None  # endpoint: rows (results and final errors) each one wrote

@@ -86,7 +86,7 @@ class EmbeddedBackend:
         engine = self._llm.engine
         token_text = token_decoder(self._llm.tokenizer)  # for rows that ask for logprobs
         timer = _StepTimer()
-        preemptions0 = engine.stats().num_preemptions
+        stats0 = engine.stats()
         inflight: dict[str, BatchRequest] = {}
         exhausted = False
         while True:
@@ -105,10 +105,15 @@ class EmbeddedBackend:
                     else:
                         sink.result(request, response_body(request.url, out, self.model, token_text=token_text))
         load_s, self._load_s = self._load_s, 0.0  # counted once, in the run after the load
+        now = engine.stats()
+        drafts = now.num_draft_tokens - stats0.num_draft_tokens
         return BackendStats(
             load_s=load_s, prefill_tokens=timer.prefill_tokens, decode_tokens=timer.decode_tokens,
             prefill_s=timer.prefill_s, decode_s=timer.decode_s,
-            num_preemptions=engine.stats().num_preemptions - preemptions0,
+            num_preemptions=now.num_preemptions - stats0.num_preemptions,
+            num_drafts=now.num_drafts - stats0.num_drafts if drafts else None,
+            num_draft_tokens=drafts or None,
+            num_accepted_tokens=now.num_accepted_tokens - stats0.num_accepted_tokens if drafts else None,
         )
 
     def share_machine(self, share: float) -> None:
