@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tokenmill.cost import millions_per_usd, usd_for, usd_per_million
-from tokenmill.engine.interface import SchedulerStats
+from tokenmill.engine import SchedulerStats
 from tokenmill.jobs.backends.base import Backend, BackendStats, ResultSink
 from tokenmill.jobs.config import JobConfig
 from tokenmill.jobs.journal.paths import OutputPaths
