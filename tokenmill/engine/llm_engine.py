@@ -294,14 +294,15 @@ class LLMEngine:
         """Propose drafts, schedule, run the model once, sample and verify; returns the requests that
         got one token or more."""
         started = time.perf_counter()
-        decoding = [seq for seq in self.scheduler.running if not seq.in_prefill]
-        speculated = self.drafter is not None and bool(decoding) and self.drafter.propose(decoding)
+        # Without a drafter, no step pays for finding its decoding sequences.
+        decoding = [] if self.drafter is None else [seq for seq in self.scheduler.running if not seq.in_prefill]
+        speculated = bool(decoding) and self.drafter is not None and self.drafter.propose(decoding)
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         sampled = self.runner.execute(out.scheduled)
         produced = self._verify(out, sampled)
-        decoded = sum(len(tokens) for item, tokens, _ in produced if not item.seq.in_prefill)
+        decoded = sum(len(tokens) for item, tokens, _ in produced if not item.seq.in_prefill) if decoding else 0
         self.scheduler.on_step_computed(out, [len(tokens) - 1 for _, tokens, _ in produced])
         outputs = []
         for item, tokens, logprobs in produced:
