@@ -20,6 +20,7 @@ from tokenmill.engine.interface import RequestOutput
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sequence import Sequence
 from tokenmill.engine.speculative import Drafter, accepted_prefix
+from tokenmill.engine.speculative.budget import DraftBudget
 from tokenmill.models.loader import LoadedWeights
 
 METHODS = ["ngram", "suffix"]
@@ -29,6 +30,13 @@ SCHEMA = {"type": "object", "properties": {"customer": {"type": "string", "maxLe
                                            "total": {"type": "string", "maxLength": 20},
                                            "contact": {"type": "string", "maxLength": 40}},
           "required": ["customer", "total", "contact"], "additionalProperties": False}
+
+
+@pytest.fixture(autouse=True)
+def every_draft_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exactness is verification's: every proposed draft is verified here, whatever the step costs
+    (the budget, which would keep fewer on a busy machine, is tested on its own: test_budget.py)."""
+    monkeypatch.setattr(DraftBudget, "plan", lambda self, drafts, forced: [len(d) for d in drafts])
 
 
 def _chats(n: int) -> list[list[dict[str, str]]]:

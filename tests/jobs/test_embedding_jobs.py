@@ -147,3 +147,29 @@ def test_parquet_output_holds_each_vector_as_a_fixed_size_list(tmp_path: Path, e
     np.testing.assert_allclose(vectors["one"], embedder.embed(TEXTS[:1])[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(vectors["b64"], embedder.embed(TEXTS[1:2])[0], rtol=1e-5, atol=1e-6)
     assert vectors["two"] is None  # several inputs: their vectors are in the body
+
+
+class _CountsCloses(Embedder):
+    closes = 0
+
+    def close(self) -> None:
+        type(self).closes += 1
+
+
+def test_a_built_backend_closes_the_model_it_loaded_and_only_that(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's engine processes must stop when the job is done, not at interpreter exit (where they
+    can abort the process after its results are written); a model the caller handed in is the caller's."""
+    import tokenmill.engines
+    from tokenmill.embed.config import EmbeddingConfig
+    from tokenmill.jobs.backends import built_backend
+
+    monkeypatch.setattr(tokenmill.engines, "load_embedder", lambda spec: _CountsCloses())
+    path = write_jsonl(tmp_path / "in.jsonl", [embedding_line("one", TEXTS[0])])
+    with built_backend(EmbeddingConfig()) as backend:
+        run_job(JobConfig(input=path, output=tmp_path / "out", progress=False), backend)
+        assert _CountsCloses.closes == 0
+    assert _CountsCloses.closes == 1
+    lent = _CountsCloses()
+    EmbeddingBackend(embedder=lent).close()
+    assert _CountsCloses.closes == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 from typing import Any
 
 import pytest
@@ -59,6 +60,17 @@ def test_vllm_flags_and_engine_args_reach_vllm() -> None:
     }
     assert _vllm_args("--dtype", "bfloat16", "--engine-arg", "dtype=half") == {
         "dtype": "half"}  # --engine-arg has the last word
+
+
+def test_the_speculative_flags_reach_vllm_as_one_speculative_config() -> None:
+    assert _vllm_args("--speculative-method", "ngram") == {
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 8}}  # the embedded engine's default
+    assert _vllm_args("--speculative-method", "suffix", "--num-speculative-tokens", "12") == {
+        "speculative_config": {"method": "suffix", "num_speculative_tokens": 12}}
+    eagle = {"method": "eagle", "model": "some/eagle-head", "num_speculative_tokens": 3}
+    assert _vllm_args("--speculative-config", json.dumps(eagle)) == {"speculative_config": eagle}  # vLLM's, whole
+    with pytest.raises(ValueError, match="contradicts"):
+        _vllm_args("--speculative-method", "ngram", "--speculative-config", '{"method": "suffix"}')
 
 
 def test_vllm_flags_without_engine_vllm_are_refused() -> None:

@@ -38,7 +38,7 @@ from tokenmill.choose.acceptance import Acceptance, AcceptanceError, acceptance_
 from tokenmill.choose.candidates import Candidate
 from tokenmill.choose.runs import log_run, timed
 from tokenmill.jobs import JobError, JobFailed, print_summary, run_job, say
-from tokenmill.jobs.backends import build_backend
+from tokenmill.jobs.backends import built_backend
 from tokenmill.jobs.input import DocumentOptions, input_identity, read_input, write_subset
 from tokenmill.jobs.journal import Footprint, OutputLock, OutputPaths, refuse_inputs_in, with_temporaries
 from tokenmill.jobs.results import ErrorCode, is_final, read_rows, usage_of
@@ -160,7 +160,8 @@ def _run_tier(tier: Candidate, source: Path, fmt: str, folder: Path, acceptance:
     job = replace(job, options=options, input_format=fmt)
     say(console, f"\n[{tier.name}] tokenmill run {tier.flags_text}")
     try:
-        outcome = run_job(job, build_backend(tier.backend), console)
+        with built_backend(tier.backend) as backend:
+            outcome = run_job(job, backend, console)
     finally:
         gc.collect()  # the engine's memory goes before the next tier loads its own
     print_summary(outcome, console)

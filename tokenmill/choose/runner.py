@@ -32,7 +32,7 @@ from tokenmill.choose.scorers import DEFAULT_SCORER, Score, make_scorer
 from tokenmill.choose.stats import decide, quality
 from tokenmill.cost import MILLION
 from tokenmill.jobs import JobError, JobFailed, JobOutcome, print_summary, run_job, say
-from tokenmill.jobs.backends import EndpointBackend, build_backend
+from tokenmill.jobs.backends import EndpointBackend, built_backend
 from tokenmill.jobs.input import DocumentOptions, read_input
 from tokenmill.jobs.journal import Footprint, OutputLock, OutputPaths, refuse_inputs_in, with_temporaries
 from tokenmill.jobs.results import answer_of, final_error_rows, result_rows, usage_of
@@ -169,12 +169,12 @@ def _run_job(candidate: Candidate, sample: Sample, folder: Path, progress: bool,
              console: Console) -> JobOutcome | None:
     """The job's outcome; None, and FAILED in `result`, when its endpoint does not answer (one probe,
     where the job would keep trying for --retry-for)."""
-    backend = build_backend(candidate.backend)
-    result.backend, result.model = backend.kind, backend.model
-    if isinstance(backend, EndpointBackend) and (down := backend.unreachable()) is not None:
-        result.status, result.reason = FAILED, f"endpoint down: {down}"
-        return None
-    outcome = run_job(candidate.job_config(sample.path, folder, progress), backend, console)
+    with built_backend(candidate.backend) as backend:
+        result.backend, result.model = backend.kind, backend.model
+        if isinstance(backend, EndpointBackend) and (down := backend.unreachable()) is not None:
+            result.status, result.reason = FAILED, f"endpoint down: {down}"
+            return None
+        outcome = run_job(candidate.job_config(sample.path, folder, progress), backend, console)
     print_summary(outcome, console)
     return outcome
 

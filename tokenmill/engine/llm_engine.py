@@ -294,15 +294,13 @@ class LLMEngine:
         """Propose drafts, schedule, run the model once, sample and verify; returns the requests that
         got one token or more."""
         started = time.perf_counter()
-        # Without a drafter, no step pays for finding its decoding sequences.
-        decoding = [] if self.drafter is None else [seq for seq in self.scheduler.running if not seq.in_prefill]
-        speculated = bool(decoding) and self.drafter is not None and self.drafter.propose(decoding)
+        if self.drafter is not None:
+            self.drafter.propose([seq for seq in self.scheduler.running if not seq.in_prefill])
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         sampled = self.runner.execute(out.scheduled)
         produced = self._verify(out, sampled)
-        decoded = sum(len(tokens) for item, tokens, _ in produced if not item.seq.in_prefill) if decoding else 0
         self.scheduler.on_step_computed(out, [len(tokens) - 1 for _, tokens, _ in produced])
         outputs = []
         for item, tokens, logprobs in produced:
@@ -318,8 +316,9 @@ class LLMEngine:
             outputs.append(self._output(seq))
             if seq.is_finished:
                 self._forget(seq)
-        if self.drafter is not None and decoding:
-            self.drafter.gate.observe(len(decoding), speculated, decoded, time.perf_counter() - started)
+        if self.drafter is not None:
+            tokens = sum(item.num_new_tokens for item in out.scheduled)
+            self.drafter.budget.observe(tokens, time.perf_counter() - started)
         return outputs
 
     @staticmethod

@@ -25,18 +25,18 @@ from tokenmill.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledSequence:
+    """A sequence's share of a step, as scheduled: read after the step is computed (which moves the
+    sequence's counts on), it still says what the step held."""
+
     seq: Sequence
     num_new_tokens: int  # its draft tokens included
+    samples: bool = field(init=False)  # this step computes its last known token, so a next one is due
+    num_drafts: int = field(init=False)  # draft tokens scored after the last known one, each sampled too
 
-    @property
-    def samples(self) -> bool:
-        """Does this step compute the seq's last known token (so a next token is due)?"""
-        return self.seq.num_computed_tokens + self.num_new_tokens >= self.seq.num_tokens
-
-    @property
-    def num_drafts(self) -> int:
-        """Draft tokens scored after the last known one: each gets a sampled token too."""
-        return max(0, self.seq.num_computed_tokens + self.num_new_tokens - self.seq.num_tokens)
+    def __post_init__(self) -> None:
+        beyond = self.seq.num_computed_tokens + self.num_new_tokens - self.seq.num_tokens
+        self.samples = beyond >= 0
+        self.num_drafts = max(0, beyond)
 
 
 @dataclass

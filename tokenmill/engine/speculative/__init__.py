@@ -1,5 +1,6 @@
 """Speculative decoding without a draft model: proposers (prompt lookup, a job-wide suffix tree),
-the rule that keeps a draft's verified prefix, and the gate that speculates only where it pays.
+the rule that keeps a draft's verified prefix, and the budget that keeps as many drafts in a step as
+pay for themselves there.
 Nothing here imports torch: drafts are token ids, proposed on the CPU between steps."""
 
 from tokenmill.engine.speculative.config import (

@@ -10,7 +10,8 @@ token d is kept with probability p(d); when it is not, the token comes from p wi
 so every output is distributed as without drafts, and under greedy or a seed it is the same output.
 
 Each sequence's draft length follows its last verification (HF's schedule): two more after a draft
-accepted whole, one more than was accepted after one that was not.
+accepted whole, one more than was accepted after one that was not; the step's budget (budget.py)
+then keeps, of all the drafts proposed, those worth their cost in that step.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tokenmill.engine.speculative.budget import DraftBudget
 from tokenmill.engine.speculative.config import SpeculativeMethod, SpeculativeSettings
-from tokenmill.engine.speculative.gate import SpeculationGate
 from tokenmill.engine.speculative.ngram import NgramIndex, prompt_lookup
 from tokenmill.engine.speculative.suffix import SuffixTree, TreeEntry
 
@@ -39,6 +40,7 @@ class DraftState:
     outputs_in_tree: int = 0
     tree_match: tuple[int, int] = (0, 0)  # (its tokens, the tree's longest match of their end) at the last draft
     draft_len: int = FIRST_DRAFT_LEN
+    forced: int = 0  # the last draft's tokens that its grammar forced
 
 
 def accepted_prefix(drafts: list[int], sampled: list[int]) -> list[int]:
@@ -56,22 +58,22 @@ class Drafter:
     def __init__(self, settings: SpeculativeSettings, max_model_len: int) -> None:
         self.settings = settings
         self.max_model_len = max_model_len
-        self.gate = SpeculationGate()
+        self.budget = DraftBudget()
         s = settings
         self.tree = (SuffixTree(s.suffix_decoding_max_tree_depth, s.suffix_decoding_max_cached_requests)
                      if s.method is SpeculativeMethod.SUFFIX else None)
         self.seconds = 0.0  # spent proposing, all steps together
 
-    def propose(self, decoding: list[Sequence]) -> bool:
-        """Set each decoding sequence's `draft_token_ids` (empty where none); False where the gate
-        says this step goes without drafts."""
+    def propose(self, decoding: list[Sequence]) -> None:
+        """Set each decoding sequence's `draft_token_ids`: what it proposes, as far as the step's
+        budget keeps (empty where none)."""
         started = time.perf_counter()
-        speculate = self.gate.speculate(len(decoding))
-        for seq in decoding:
-            state = self._state(seq)
-            seq.draft_token_ids = self._draft(seq, state) if speculate else []
+        states = [self._state(seq) for seq in decoding]
+        drafts = [self._draft(seq, state) for seq, state in zip(decoding, states, strict=True)]
+        keep = self.budget.plan(drafts, [state.forced for state in states])
+        for seq, draft, kept in zip(decoding, drafts, keep, strict=True):
+            seq.draft_token_ids = draft[:kept]
         self.seconds += time.perf_counter() - started
-        return speculate
 
     def _state(self, seq: Sequence) -> DraftState:
         """The sequence's state, its tokens since the last step added to the job-wide tree."""
@@ -86,9 +88,16 @@ class Drafter:
         return state
 
     def _draft(self, seq: Sequence, state: DraftState) -> list[int]:
+        """Tokens the sequence's grammar forces next, where it forces any (accepted unless the model
+        tokenizes the same text otherwise); else the proposers', cut where the grammar refuses one."""
         s = self.settings
-        room = min(state.draft_len, seq.params.max_tokens - seq.num_output_tokens - 1,
-                   self.max_model_len - seq.num_tokens - 1)
+        left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        state.forced = 0
+        forced = [] if seq.matcher is None else seq.matcher.compute_ff_tokens()[: min(left, s.num_speculative_tokens)]
+        if forced:
+            state.forced = len(forced)
+            return forced
+        room = min(state.draft_len, left)
         if room <= 0:
             return []
         found = prompt_lookup(seq.token_ids, state.index, s.prompt_lookup_min, s.prompt_lookup_max, room)
@@ -106,10 +115,13 @@ class Drafter:
         return draft
 
     def verified(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        """Set the sequence's next draft length from how its last draft fared."""
+        """Learn from how the sequence's draft fared, and set its next draft length."""
         state = seq.draft_state
         if state is None or num_drafts == 0:
             return
+        forced = min(state.forced, num_drafts)
+        if num_accepted >= forced:  # the proposers' part of the draft: what the budget's rates are of
+            self.budget.acceptance.observe(num_drafts - forced, num_accepted - forced)
         if num_accepted == num_drafts:
             state.draft_len = min(self.settings.num_speculative_tokens, state.draft_len + 2)
         else:

@@ -36,7 +36,6 @@ class TreeEntry:
 class Proposal:
     draft: list[int]
     match_len: int  # tokens of the sequence's end that the tree matched
-    score: float  # the draft's expected accepted tokens: the sum of its estimated probabilities
 
 
 
@@ -91,19 +90,18 @@ class SuffixTree:
         bound = self.max_depth - 1 if longest is None else min(longest, self.max_depth - 1)
         node, match_len = self._longest_match(context, bound)
         if node is None or max_draft <= 0:
-            return Proposal([], match_len, 0.0)
+            return Proposal([], match_len)
         limit = min(max_draft, self.max_depth - match_len, max(1, int(max_spec_factor * match_len)))
         draft: list[int] = []
-        prob, score = 1.0, 0.0
+        prob = 1.0
         while len(draft) < limit and node.children:
             token, child = max(node.children.items(), key=lambda item: item[1].count)
             prob *= child.count / node.count
             if prob < min_prob:
                 break
             draft.append(token)
-            score += prob
             node = child
-        return Proposal(draft, match_len, score)
+        return Proposal(draft, match_len)
 
     def _longest_match(self, context: list[int], longest: int) -> tuple[_Node | None, int]:
         """The node of the longest suffix of `context` (at most `longest` tokens) that is a path from

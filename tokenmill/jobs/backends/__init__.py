@@ -13,7 +13,7 @@ from tokenmill.jobs.backends.batch_parts import (
            PartSplitter,
            check_limits,
 )
-from tokenmill.jobs.backends.build import BackendSpec, build_backend
+from tokenmill.jobs.backends.build import BackendSpec, build_backend, built_backend
 from tokenmill.jobs.backends.embedding import EmbeddingBackend
 from tokenmill.jobs.backends.endpoint import EndpointBackend, EndpointSpec
 from tokenmill.jobs.backends.http import RetryPolicy
@@ -22,4 +22,5 @@ from tokenmill.jobs.backends.ray import RayOptions, RaySpec
 
 __all__ = ["OPENAI_MAX_BYTES", "OPENAI_MAX_REQUESTS", "Backend", "BackendSpec", "BackendStats", "BatchApiSpec",
            "EmbeddingBackend", "EndpointBackend", "EndpointSpec", "OpenPart", "PartSplitter", "RateLimit",
-           "RayOptions", "RaySpec", "ResultSink", "RetryPolicy", "StopFlag", "build_backend", "check_limits"]
+           "RayOptions", "RaySpec", "ResultSink", "RetryPolicy", "StopFlag", "build_backend", "built_backend",
+           "check_limits"]

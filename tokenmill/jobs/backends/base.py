@@ -3,8 +3,8 @@
 A `Backend` (the embedded engine, an HTTP endpoint, Ray replicas of either, the server's engine
 loop for the Batch API) turns requests into response bodies and hands every outcome to the
 `ResultSink`; the job runner (runner.py) owns the files, resuming and counting. To add a
-backend: implement `Backend` (and `Abortable` / `SharesMachine` where they apply), then choose
-it in cli.py.
+backend: implement `Backend` (and `Abortable` / `SharesMachine` / `HoldsModel` where they apply),
+then choose it in cli.py.
 """
 
 from __future__ import annotations
@@ -190,6 +190,15 @@ class KeepsState(Protocol):
     ids): the runner hands it a path beside the job's output before `start`."""
 
     def keep_state(self, path: Path) -> None: ...
+
+
+@runtime_checkable
+class HoldsModel(Protocol):
+    """A backend that loaded a model of its own (an engine, vLLM's engine processes). Whoever built
+    it closes it once its jobs are done (build.py `built_backend`): the model's memory goes before
+    the next one loads, and vLLM's processes stop before the interpreter tears down beneath them."""
+
+    def close(self) -> None: ...
 
 
 def notice(text: str) -> None:

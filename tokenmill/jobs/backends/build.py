@@ -9,16 +9,19 @@ of these, each beside the backend it describes:
 - `BatchApiSpec` (batch_api.py): an OpenAI-compatible server's Batch API (half price on OpenAI);
 - `RaySpec` (ray_runner.py): Ray replicas, each running one of those.
 Each validates itself when built (ValueError naming the flag), so a spec that exists can run;
-`build_backend` turns it into the backend, loading nothing (a model loads in `Backend.start`).
+`build_backend` turns it into the backend, loading nothing (a model loads in `Backend.start`);
+`built_backend` does too, and closes what the backend loaded when the caller's jobs are done.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 from tokenmill.embed.config import EmbeddingConfig
 from tokenmill.engine import EngineConfig
-from tokenmill.jobs.backends.base import Backend
+from tokenmill.jobs.backends.base import Backend, HoldsModel
 from tokenmill.jobs.backends.batch_api import BatchApiSpec
 from tokenmill.jobs.backends.endpoint import EndpointSpec
 from tokenmill.jobs.backends.ray import RaySpec
@@ -49,6 +52,17 @@ def build_backend(spec: BackendSpec) -> Backend:
     from tokenmill.jobs.backends.embedded import EmbeddedBackend
 
     return EmbeddedBackend(spec)
+
+
+@contextmanager
+def built_backend(spec: BackendSpec) -> Iterator[Backend]:
+    """The backend for `spec`, closed (its model let go) when the block ends, however it ends."""
+    backend = build_backend(spec)
+    try:
+        yield backend
+    finally:
+        if isinstance(backend, HoldsModel):
+            backend.close()
 
 
 def _replica_backends(spec: RaySpec) -> list[Backend]:

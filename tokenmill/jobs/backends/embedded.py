@@ -46,6 +46,7 @@ class EmbeddedBackend:
         replica's engine refuses it as cheaply."""
         self.spec: EngineSpec = spec or EngineConfig()
         self._llm: InProcessModel | None = llm
+        self._owns_llm = llm is None  # one handed in is its owner's to close
         self._weights, self._load_to_check = weights, load_to_check
         self._load_s = 0.0
         self.kind = llm.engine.name if llm else self.spec.engine
@@ -115,6 +116,12 @@ class EmbeddedBackend:
             num_draft_tokens=drafts or None,
             num_accepted_tokens=now.num_accepted_tokens - stats0.num_accepted_tokens if drafts else None,
         )
+
+    def close(self) -> None:
+        """Let go of the engine this backend loaded (vLLM's processes stop now)."""
+        if self._owns_llm and self._llm is not None:
+            self._llm.engine.close()
+            self._llm = None
 
     def share_machine(self, share: float) -> None:
         """Before `start`: this engine runs beside others on one machine (Ray replicas) and gets

@@ -32,6 +32,7 @@ class EmbeddingBackend:
         """`spec`: the model to load in `start`; `embedder`: one already loaded instead (tests)."""
         self.spec = spec or EmbeddingConfig()
         self._embedder = embedder
+        self._owns_embedder = embedder is None  # one handed in is its owner's to close
         self.model = model_name(self.spec.model or DEFAULT_EMBEDDING_MODEL)
         self._load_s = 0.0
 
@@ -65,6 +66,12 @@ class EmbeddingBackend:
         return BackendStats(load_s=load_s, prefill_tokens=embedder.stats.tokens - tokens0,
                             prefill_s=embedder.stats.seconds - seconds0, decode_tokens=0, decode_s=0.0,
                             num_preemptions=0)
+
+    def close(self) -> None:
+        """Let go of the model this backend loaded (vLLM's processes stop now)."""
+        if self._owns_embedder and self._embedder is not None:
+            self._embedder.close()
+            self._embedder = None
 
     def _window(self, requests: Iterator[BatchRequest], sink: ResultSink
                 ) -> list[tuple[BatchRequest, list[list[int]]]] | None:
