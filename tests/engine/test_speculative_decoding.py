@@ -155,12 +155,19 @@ def test_drafted_output_matches_transformers(tiny_llama: tuple[LoadedWeights, to
         return draft
 
     monkeypatch.setattr(Drafter, "_draft", oracle)
+    told: list[tuple[int, int]] = []  # what the drafter learns: (drafts verified, accepted), per draft
+    verified = Drafter.verified
+    monkeypatch.setattr(Drafter, "verified", lambda self, seq, n, accepted: (
+        told.append((n, accepted)) if n else None, verified(self, seq, n, accepted)))
     llm = LLM(weights=weights, block_size=4, max_num_seqs=4, kv_cache_dtype="float32",
               speculative_config={"method": "ngram", "num_speculative_tokens": 6})
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True), progress=False)
     stats = llm.engine.stats()
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    # The draft lengths and the budget's rates learn from the drafts that ran, and from no others.
+    assert (len(told), sum(n for n, _ in told), sum(a for _, a in told)) == (
+        stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
     for prompt, out in zip(prompts, outs, strict=True):
         reference.check(prompt, out.token_ids, "drafts")
 

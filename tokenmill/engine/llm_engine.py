@@ -299,6 +299,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        # Only decode steps teach the draft budget what a step costs: a prefill token is cheaper
+        # than a row that is attended and sampled, so mixed steps would make drafts look cheap.
+        decode_tokens = None if any(item.seq.in_prefill for item in out.scheduled) else sum(
+            item.num_new_tokens for item in out.scheduled)
         sampled = self.runner.execute(out.scheduled)
         produced = self._verify(out, sampled)
         self.scheduler.on_step_computed(out, [len(tokens) - 1 for _, tokens, _ in produced])
@@ -316,9 +320,8 @@ class LLMEngine:
             outputs.append(self._output(seq))
             if seq.is_finished:
                 self._forget(seq)
-        if self.drafter is not None:
-            tokens = sum(item.num_new_tokens for item in out.scheduled)
-            self.drafter.budget.observe(tokens, time.perf_counter() - started)
+        if self.drafter is not None and decode_tokens is not None:
+            self.drafter.budget.observe(decode_tokens, time.perf_counter() - started)
         return outputs
 
     @staticmethod

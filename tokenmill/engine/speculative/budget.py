@@ -8,8 +8,8 @@ both are measured as the job runs:
 
 - `AcceptanceRates`: per draft position, how often a draft token there is accepted when all
   before it were (a running mean). A token's chance is the product up to its position.
-- `StepCost`: a step's seconds by the tokens in its forward (every step, prefill chunks included),
-  in buckets exact at small sizes and coarser above. Between measured buckets the cost is
+- `StepCost`: a decode step's seconds by the tokens in its forward (rows and drafts), in buckets
+  exact at small sizes and coarser above. Between measured buckets the cost is
   interpolated, which for a cost that is flat and then rises overstates it (a safe error).
 
 Before a step, `DraftBudget.plan` takes the proposed draft tokens by their chance (tokens a grammar
@@ -31,7 +31,7 @@ import itertools
 EXACT_BUCKETS = 32  # steps of up to this many tokens are told apart one by one
 SMOOTHING = 0.2  # the weight of the newest measurement in a running mean
 FIRST_ACCEPTANCE = 0.5  # a position's rate before any of its drafts was verified
-EXPLORE_EVERY = 16
+EXPLORE_EVERY = 32
 MARGIN = 0.01
 
 

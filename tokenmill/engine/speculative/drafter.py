@@ -93,13 +93,13 @@ class Drafter:
         s = self.settings
         left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
         state.forced = 0
+        if left <= 0:
+            return []
         forced = [] if seq.matcher is None else seq.matcher.compute_ff_tokens()[: min(left, s.num_speculative_tokens)]
         if forced:
             state.forced = len(forced)
             return forced
         room = min(state.draft_len, left)
-        if room <= 0:
-            return []
         found = prompt_lookup(seq.token_ids, state.index, s.prompt_lookup_min, s.prompt_lookup_max, room)
         draft = found.draft
         if self.tree is not None:
