@@ -12,9 +12,11 @@ Workloads (greedy, prefix caching on, as a batch job runs):
               (examples/review_schema.json): answers repeat across rows
   random      random-token prompts, EOS ignored: nothing to copy, the worst case
 A cell is one workload at one batch size: max(3, 2 x B) rows submitted at once to an engine with
-max_num_seqs = B, built afresh for each method (its suffix tree and gate start empty, so their
-warm-up is in the figure). The figure is end-to-end output tokens per second: output tokens / the
-wall time from submitting the rows to the last one finishing. Every cell also checks that each
+max_num_seqs = B, built afresh for each method (its suffix tree and draft budget start empty, so
+their learning is in the figure). The figure is end-to-end output tokens per second: output tokens /
+the wall time from submitting the rows to the last one finishing, the mean of --repeats runs of each
+method taken in alternating order (off, ngram, suffix, suffix, ngram, off), so that a machine
+drifting during the cell falls alike on all three. Every cell also checks that each
 method's greedy outputs equal speculation off's, row for row (a row that parts is shown with its
 step and the top-2 logprob gap there: an fp32 near-tie, see docs/speculative.md), and records the
 CPU seconds other processes used meanwhile.
@@ -33,7 +35,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,7 @@ class Cell:
     identical_rows: int | None = None  # rows whose tokens equal speculation off's (None: off itself)
     parted: list[str] = field(default_factory=list)  # rows that differ: where, and the gap there
     other_cpu_s: float | None = None
+    runs_tok_s: list[float] = field(default_factory=list)  # each repeat's rate (out_tok_s: their mean)
 
 
 # ---- workloads ------------------------------------------------------------------------------------
@@ -219,19 +222,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name in args.workloads:
             for batch in args.batches:
                 plain: list = []
+                runs: dict[str, list[Cell]] = {method: [] for method in METHODS}
+                for turn in range(args.repeats):  # off, ngram, suffix, then the other way round: drift cancels
+                    for method in METHODS if turn % 2 == 0 else METHODS[::-1]:
+                        cell, outs = run_cell(weights, model, name, batch, method, args.threads)
+                        if method == "off":
+                            plain = plain or outs
+                        else:
+                            compare_outputs(cell, plain, outs)
+                        runs[method].append(cell)
                 for method in METHODS:
-                    cell, outs = run_cell(weights, model, name, batch, method, args.threads)
-                    if method == "off":
-                        plain = outs
-                    else:
-                        compare_outputs(cell, plain, outs)
-                    cells.append(cell)
-                    print(_line(cell, cells), flush=True)
+                    cells.append(_mean(runs[method]))
+                    print(_line(cells[-1], cells), flush=True)
         if "extraction" in args.workloads and 1 in args.batches and not args.no_llama:
             lookups[model] = llama_lookup(path, LLM(weights=weights, max_num_seqs=1), args.threads)
             print(f"{model} llama-lookup extraction B=1: {lookups[model]}", flush=True)
     return {"environment": environment(), "command": " ".join(sys.argv), "cells": [asdict(c) for c in cells],
             "llama_lookup": lookups}
+
+
+def _mean(runs: list[Cell]) -> Cell:
+    """One cell from its repeats: the mean rate, each run's rate beside it, rows identical in every run."""
+    first = runs[0]
+    return replace(first, out_tok_s=round(sum(c.out_tok_s for c in runs) / len(runs), 1),
+                   runs_tok_s=[c.out_tok_s for c in runs], wall_s=round(sum(c.wall_s for c in runs), 3),
+                   identical_rows=None if first.identical_rows is None else min(c.identical_rows or 0 for c in runs),
+                   parted=[p for c in runs for p in c.parted],
+                   other_cpu_s=round(sum(c.other_cpu_s or 0.0 for c in runs), 2))
 
 
 def _off(cells: list[Cell], cell: Cell) -> Cell:
@@ -304,11 +321,12 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32,64", type=lambda s: [int(b) for b in s.split(",")])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-llama", action="store_true", help="leave llama-lookup out")
-    parser.add_argument("--quick", action="store_true", help="SmolLM2, B = 1 and 8, fewer tokens")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each method per cell, in alternating order")
+    parser.add_argument("--quick", action="store_true", help="SmolLM2, B = 1 and 8, fewer tokens, one run")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/speculative")
     args = parser.parse_args()
     if args.quick:
-        args.models, args.batches = ["smollm2"], [1, 8]
+        args.models, args.batches, args.repeats = ["smollm2"], [1, 8], 1
         MAX_TOKENS.update({name: 24 for name in MAX_TOKENS})
     torch.set_num_threads(args.threads)
     results = run(args)

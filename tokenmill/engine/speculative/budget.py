@@ -18,8 +18,9 @@ second, ...) and keeps as many as maximise
 (decoding sequences + expected accepted drafts) / cost(decoding sequences + drafts). A cost is
 known only up to the largest bucket measured and one bucket beyond it (extrapolated from the last
 two), so the budget grows a bucket a step while that pays and stops where it does not; every
-`EXPLORE_EVERY`th plan tries one bucket beyond the best, so a cost that drifts (contexts grow,
-acceptance changes) is seen again. Drafts must beat none by `MARGIN`, so timing noise alone never
+`EXPLORE_EVERY`th plan tries one bucket more than the best, or no drafts at all, in turn, so a
+cost that drifts (contexts grow, acceptance changes) is seen again, the one drafts are weighed
+against included. Drafts must beat none by `MARGIN`, so timing noise alone never
 turns them on.
 """
 
@@ -118,8 +119,8 @@ class DraftBudget:
         best = max(range(len(options)), key=lambda k: options[k][1])
         if options[best][1] < options[0][1] * (1 + MARGIN):
             best = 0
-        if self._plans % EXPLORE_EVERY == 0 and best + 1 < len(options):
-            best += 1
+        if self._plans % EXPLORE_EVERY == 0:  # a bucket more than the best, and none, in turn
+            best = min(len(options) - 1, best + 1) if self._plans % (2 * EXPLORE_EVERY) else 0
         keep = [0] * batch
         for _, _, i in order[: options[best][0]]:
             keep[i] += 1
