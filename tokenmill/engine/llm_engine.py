@@ -299,10 +299,6 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        # Only decode steps teach the draft budget what a step costs: a prefill token is cheaper
-        # than a row that is attended and sampled, so mixed steps would make drafts look cheap.
-        decode_tokens = None if any(item.seq.in_prefill for item in out.scheduled) else sum(
-            item.num_new_tokens for item in out.scheduled)
         sampled = self.runner.execute(out.scheduled)
         produced = self._verify(out, sampled)
         self.scheduler.on_step_computed(out, [len(tokens) - 1 for _, tokens, _ in produced])
@@ -320,7 +316,9 @@ class LLMEngine:
             outputs.append(self._output(seq))
             if seq.is_finished:
                 self._forget(seq)
-        if self.drafter is not None and decode_tokens is not None:
+        # Only decode steps teach the draft budget what a step costs: a prefill token is cheaper
+        # than a row that is attended and sampled, so mixed steps would make drafts look cheap.
+        if self.drafter is not None and (decode_tokens := out.decode_tokens) is not None:
             self.drafter.budget.observe(decode_tokens, time.perf_counter() - started)
         return outputs
 

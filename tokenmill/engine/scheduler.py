@@ -30,11 +30,13 @@ class ScheduledSequence:
 
     seq: Sequence
     num_new_tokens: int  # its draft tokens included
+    prefill: bool = field(init=False)  # it computes prompt (or recomputed) tokens, not a decode
     samples: bool = field(init=False)  # this step computes its last known token, so a next one is due
     num_drafts: int = field(init=False)  # draft tokens scored after the last known one, each sampled too
 
     def __post_init__(self) -> None:
         beyond = self.seq.num_computed_tokens + self.num_new_tokens - self.seq.num_tokens
+        self.prefill = self.seq.in_prefill
         self.samples = beyond >= 0
         self.num_drafts = max(0, beyond)
 
@@ -47,6 +49,13 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def decode_tokens(self) -> int | None:
+        """The tokens of a step that only decodes (drafts included); None for one that prefills."""
+        if any(item.prefill for item in self.scheduled):
+            return None
+        return sum(item.num_new_tokens for item in self.scheduled)
 
 
 class Scheduler:

@@ -104,6 +104,19 @@ def _renamed(family: Metric, name: str, model_name: str) -> Metric:
     return renamed
 
 
+# The scheduler's counters on /metrics: (metric, help, SchedulerStats field).
+SCHEDULER_COUNTERS = (
+    ("tokenmill_prefix_cache_queries", "prompt tokens looked up in the prefix cache", "prefix_cache_queries"),
+    ("tokenmill_prefix_cache_hits", "prompt tokens served from the prefix cache", "prefix_cache_hits"),
+    ("tokenmill_num_preemptions", "requests preempted", "num_preemptions"),
+    ("tokenmill_prefill_tokens", "tokens computed from known tokens", "prefill_tokens"),
+    ("tokenmill_decode_tokens", "tokens computed by decode steps", "decode_tokens"),
+    ("tokenmill_spec_decode_num_drafts", "drafts verified (a sequence's drafts in a step)", "num_drafts"),
+    ("tokenmill_spec_decode_num_draft_tokens", "draft tokens verified", "num_draft_tokens"),
+    ("tokenmill_spec_decode_num_accepted_tokens", "draft tokens the model accepted", "num_accepted_tokens"),
+)
+
+
 class _SchedulerCollector:
     """Reads the engine thread's last scheduler snapshot at scrape time (never the engine itself)."""
 
@@ -120,22 +133,8 @@ class _SchedulerCollector:
                                 value=snap.num_waiting)
         yield GaugeMetricFamily("tokenmill_kv_cache_usage_ratio", "fraction of KV-cache blocks in use",
                                 value=snap.kv_usage)
-        stats = snap.stats
-        yield CounterMetricFamily("tokenmill_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
-                                  value=stats.prefix_cache_queries)
-        yield CounterMetricFamily("tokenmill_prefix_cache_hits", "prompt tokens served from the prefix cache",
-                                  value=stats.prefix_cache_hits)
-        yield CounterMetricFamily("tokenmill_num_preemptions", "requests preempted", value=stats.num_preemptions)
-        yield CounterMetricFamily("tokenmill_prefill_tokens", "tokens computed from known tokens",
-                                  value=stats.prefill_tokens)
-        yield CounterMetricFamily("tokenmill_decode_tokens", "tokens computed by decode steps",
-                                  value=stats.decode_tokens)
-        yield CounterMetricFamily("tokenmill_spec_decode_num_drafts", "drafts verified (a sequence's drafts in a step)",
-                                  value=stats.num_drafts)
-        yield CounterMetricFamily("tokenmill_spec_decode_num_draft_tokens", "draft tokens verified",
-                                  value=stats.num_draft_tokens)
-        yield CounterMetricFamily("tokenmill_spec_decode_num_accepted_tokens", "draft tokens the model accepted",
-                                  value=stats.num_accepted_tokens)
+        for name, documentation, field_name in SCHEDULER_COUNTERS:
+            yield CounterMetricFamily(name, documentation, value=getattr(snap.stats, field_name))
 
 
 class _EmbeddingCollector:
